@@ -1,0 +1,108 @@
+"""Settings, read from ``CRYPTD_*`` environment variables. Weak configurations are refused
+outside development."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ExecutorKind = Literal["inline", "thread", "process"]
+
+# Measured defaults (see docs/PERFORMANCE.md): symmetric AEAD is microseconds, so it runs on the
+# event loop; pyca/cryptography releases the GIL for RSA and EC private-key work, SM2 goes through
+# libcrypto via cffi which releases it too.
+DEFAULT_EXECUTORS: dict[str, ExecutorKind] = {
+    "aes256-gcm": "inline",
+    "sm4-gcm": "inline",
+    "rsa-2048": "thread",
+    "rsa-3072": "thread",
+    "rsa-4096": "thread",
+    "ecdsa-p256": "thread",
+    "ed25519": "inline",
+    "sm2": "thread",
+}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CRYPTD_", extra="ignore")
+
+    env: Literal["production", "development"] = "production"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    workers: int = Field(default=1, ge=1, le=256)
+
+    master_key: SecretStr | None = None
+    master_key_file: Path | None = None
+    keyring_file: Path = Path("keyring.json")
+    keyring_reload_interval: float = Field(default=1.0, gt=0)
+    keyring_read_only: bool = False
+
+    clients_file: Path | None = None
+    signature_max_age: int = Field(default=300, ge=1, le=3600)
+    redis_url: str | None = None
+    replay_fail_open: bool = False
+    rate_limit_per_second: float = Field(default=0.0, ge=0)
+    rate_limit_burst: int = Field(default=0, ge=0)
+
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_batch_items: int = Field(default=1000, ge=1)
+
+    pool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    pool_max_pending: int = Field(default=2048, ge=1)
+    pool_deadline: float = Field(default=5.0, gt=0)
+    pool_chunk_size: int = Field(default=64, ge=1)
+    executors: dict[str, ExecutorKind] = Field(default_factory=lambda: dict(DEFAULT_EXECUTORS))
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = False
+    audit_log: str = "stderr"  # "stderr", "off" or a file path
+    metrics: bool = True
+
+    dev_dir: Path = Path(".cryptd-dev")
+
+    @field_validator("executors", mode="after")
+    @classmethod
+    def _merge_executors(cls, value: dict[str, ExecutorKind]) -> dict[str, ExecutorKind]:
+        return {**DEFAULT_EXECUTORS, **value}
+
+    @model_validator(mode="after")
+    def _refuse_weak_production(self) -> Settings:
+        if self.env == "development":
+            return self
+        if self.master_key is None and self.master_key_file is None:
+            raise ValueError("CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE is required")
+        if self.clients_file is None:
+            raise ValueError("CRYPTD_CLIENTS_FILE is required outside development")
+        if self.replay_fail_open and self.redis_url is None:
+            raise ValueError("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
+        return self
+
+    def load_master_key(self) -> bytes:
+        """Return the 32-byte master key from the variable or the file; refuse anything else."""
+        if self.master_key is not None:
+            raw = self.master_key.get_secret_value()
+            source = "CRYPTD_MASTER_KEY"
+        elif self.master_key_file is not None:
+            raw = self.master_key_file.read_text().strip()
+            source = "CRYPTD_MASTER_KEY_FILE"
+        else:
+            raise ValueError("no master key configured")
+        return decode_master_key(raw, source)
+
+
+def decode_master_key(text: str, source: str = "master key") -> bytes:
+    try:
+        key = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{source} is not valid base64") from None
+    if len(key) != 32:
+        raise ValueError(f"{source} must decode to 32 bytes, got {len(key)}")
+    if len(set(key)) < 8:
+        raise ValueError(f"{source} has too little entropy")
+    return key

@@ -1,0 +1,99 @@
+"""Domain errors. No HTTP here: the API maps each code to a status at the edge.
+
+Every error carries a stable ``code`` (the contract's error code) and a message that is safe to
+show a client: it never holds key material, plaintext or which check of a decryption failed.
+Errors are plain picklable exceptions so they cross the process-pool boundary unchanged.
+"""
+
+from __future__ import annotations
+
+
+class CryptdError(Exception):
+    """Base of every error a client may see."""
+
+    code = "internal"
+    default_message = "internal error"
+
+    def __init__(self, message: str | None = None) -> None:
+        self.message = message or self.default_message
+        super().__init__(self.message)
+
+    def __reduce__(self) -> tuple[type[CryptdError], tuple[str]]:
+        return (type(self), (self.message,))
+
+
+class InvalidRequest(CryptdError):
+    code = "invalid_request"
+    default_message = "invalid request"
+
+
+class SchemaError(InvalidRequest):
+    """Request body failed schema validation (the API answers 422)."""
+
+
+class DecryptionFailed(CryptdError):
+    """Any decryption failure. One message for every cause: no oracle."""
+
+    code = "decryption_failed"
+    default_message = "decryption failed"
+
+    def __init__(self, message: str | None = None) -> None:
+        # The message is fixed on purpose; callers cannot leak which check failed.
+        super().__init__(self.default_message)
+
+
+class Unauthenticated(CryptdError):
+    code = "unauthenticated"
+    default_message = "request signature missing, invalid, expired or replayed"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(self.default_message)
+
+
+class Forbidden(CryptdError):
+    code = "forbidden"
+    default_message = "this client may not perform this operation on this key"
+
+
+class KeyNotFound(CryptdError):
+    code = "key_not_found"
+    default_message = "key or key version not found"
+
+
+class Conflict(CryptdError):
+    code = "conflict"
+    default_message = "conflict"
+
+
+class PayloadTooLarge(CryptdError):
+    code = "payload_too_large"
+    default_message = "payload too large"
+
+
+class RateLimited(CryptdError):
+    code = "rate_limited"
+    default_message = "rate limit exceeded"
+
+    def __init__(self, message: str | None = None, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type[CryptdError], tuple[str, float]]:  # type: ignore[override]
+        return (type(self), (self.message, self.retry_after))
+
+
+class Overloaded(CryptdError):
+    code = "overloaded"
+    default_message = "service overloaded, retry later"
+
+    def __init__(self, message: str | None = None, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type[CryptdError], tuple[str, float]]:  # type: ignore[override]
+        return (type(self), (self.message, self.retry_after))
+
+
+class Internal(CryptdError):
+    code = "internal"
+    default_message = "internal error"
