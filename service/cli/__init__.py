@@ -7,6 +7,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from service.crypto.base import CryptoError
+from service.errors import CryptdError
+from service.keys.store import KeyringFileError
+
 # Modules that add subcommands; each defines register(subparsers) and sets ``func`` on its parser.
 _COMMAND_MODULES = ("serve", "keys", "master_key", "clients", "call", "bench")
 
@@ -32,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except (CryptdError, CryptoError, KeyringFileError) as exc:
+        print(f"cryptd: error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as exc:
         print(f"cryptd: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,90 @@
+"""The HTTP edge of the error model: one status per code, one body shape for every error,
+FastAPI's and Starlette's own errors included."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from service.asgi import error_body
+from service.errors import CryptdError, Overloaded, RateLimited, SchemaError
+
+log = logging.getLogger("cryptd.api")
+
+STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "decryption_failed": 400,
+    "unauthenticated": 401,
+    "forbidden": 403,
+    "key_not_found": 404,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "conflict": 409,
+    "payload_too_large": 413,
+    "rate_limited": 429,
+    "overloaded": 503,
+    "internal": 500,
+}
+
+
+def status_for(exc: CryptdError) -> int:
+    return 422 if isinstance(exc, SchemaError) else STATUS.get(exc.code, 500)
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        error_body(code, message), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def cryptd_error_response(exc: CryptdError) -> Response:
+    headers = None
+    if isinstance(exc, Overloaded | RateLimited):
+        headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+    return error_response(status_for(exc), exc.code, exc.message, headers)
+
+
+async def _on_cryptd_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, CryptdError)
+    return cryptd_error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    parts = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(p) for p in error.get("loc", ())) or "request"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        return error_response(404, "not_found", "no such route")
+    if exc.status_code == 405:
+        return error_response(
+            405, "method_not_allowed", "method not allowed on this route", exc.headers
+        )
+    code = "invalid_request" if 400 <= exc.status_code < 500 else "internal"
+    message = "invalid request" if code == "invalid_request" else "internal error"
+    return error_response(exc.status_code, code, message, exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    # Type only: the message or traceback could carry request data.
+    log.error("unhandled error", extra={"error_type": type(exc).__name__})
+    return error_response(500, "internal", "internal error")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(CryptdError, _on_cryptd_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

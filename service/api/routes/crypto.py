@@ -1,0 +1,113 @@
+"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey}/{key}: single item or batch, one path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from service.api import deps
+from service.api.schemas import MODELS, PARSERS, parse_json_object
+from service.engine import Item, OpName, Outcome, RewrapItem, error_entry, translate
+from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
+from service.keys.keyring import check_key_name
+
+router = APIRouter(prefix="/v1", tags=["crypto"])
+
+BATCHABLE: tuple[OpName, ...] = ("encrypt", "decrypt", "sign", "verify", "rewrap")
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+def _check_to_key(request: Request, item: Item) -> None:
+    if isinstance(item, RewrapItem) and item.to_key is not None:
+        check_key_name(item.to_key)
+        deps.authorize(request, item.to_key, "encrypt")
+
+
+async def _run(request: Request, op: OpName, key: str) -> Response:
+    check_key_name(key)
+    deps.note(request, key=key, operation=op)
+    deps.authorize(request, key, op)
+    services = deps.services(request)
+    document = parse_json_object(await request.body())
+    parse = PARSERS[op]
+
+    if "batch" not in document or op not in BATCHABLE:
+        item = parse(document)
+        _check_to_key(request, item)
+        (outcome,) = await services.runner.run(op, key, [item])
+        if isinstance(outcome, CryptdError):
+            raise outcome
+        return json_response(outcome)
+
+    raw_items = document["batch"]
+    if len(document) != 1 or not isinstance(raw_items, list):
+        raise InvalidRequest("a batch request is {\"batch\": [item, ...]} and nothing else")
+    if not raw_items:
+        raise InvalidRequest("batch is empty")
+    if len(raw_items) > services.max_batch_items:
+        raise PayloadTooLarge(f"batch holds more than {services.max_batch_items} items")
+
+    outcomes: list[Outcome | None] = [None] * len(raw_items)
+    good: list[Item] = []
+    positions: list[int] = []
+    for index, raw in enumerate(raw_items):
+        try:
+            if not isinstance(raw, dict):
+                raise InvalidRequest("batch item must be a JSON object")
+            item = parse(raw)
+            _check_to_key(request, item)
+        except CryptdError as exc:
+            outcomes[index] = exc
+            continue
+        good.append(item)
+        positions.append(index)
+    for index, outcome in zip(positions, await services.runner.run(op, key, good), strict=True):
+        outcomes[index] = outcome
+    return json_response(
+        {
+            "batch": [
+                error_entry(translate(o)) if isinstance(o, Exception) else o
+                for o in outcomes
+            ]
+        }
+    )
+
+
+def _register(op: OpName) -> None:
+    model = MODELS[op]
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    if op in BATCHABLE:
+        schema = {
+            "oneOf": [
+                schema,
+                {
+                    "type": "object",
+                    "properties": {"batch": {"type": "array", "items": schema}},
+                    "required": ["batch"],
+                },
+            ]
+        }
+
+    async def endpoint(request: Request, key: str) -> Response:
+        return await _run(request, op, key)
+
+    endpoint.__name__ = op
+    router.add_api_route(
+        f"/{op}/{{key}}",
+        endpoint,
+        methods=["POST"],
+        summary=f"{op} with a named key" + (" (single item or batch)" if op in BATCHABLE else ""),
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
+        },
+    )
+
+
+for _op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
+    _register(_op)  # type: ignore[arg-type]

@@ -1,0 +1,396 @@
+"""RFC 9421 HTTP Message Signatures (``hmac-sha256``) and RFC 9530 ``Content-Digest``.
+
+Pure functions: strings and bytes in, a verified signature or an :class:`AuthError` out; no I/O,
+no clock of its own (callers pass ``now``). cryptd signs exactly one shape of request::
+
+    Content-Digest: sha-256=:<base64 sha256(body)>:
+    Signature-Input: sig1=("@method" "@path" "@query" "content-digest" "content-type")
+                     ;created=<unix>;nonce="<random>";keyid="<client id>";alg="hmac-sha256"
+    Signature: sig1=:<base64 hmac>:
+
+so the verifier refuses every other shape instead of interpreting it: fewer code paths, no
+component resolution driven by the attacker. Structured fields are parsed with ``http_sfv``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from http_sfv.dictionary import Dictionary
+from http_sfv.item import InnerList, Item
+
+from service.errors import Unauthenticated
+
+ALGORITHM: Final = "hmac-sha256"
+LABEL: Final = "sig1"
+COVERED_COMPONENTS: Final = ("@method", "@path", "@query", "content-digest", "content-type")
+# Signature parameters every request carries, in the order the signer writes them.
+REQUIRED_PARAMS: Final = ("created", "nonce", "keyid", "alg")
+CONTENT_TYPE: Final = "application/json"
+DEFAULT_MAX_AGE: Final = 300
+MAX_NONCE_LENGTH: Final = 128
+# Field values longer than this are refused before parsing: a real one is ~200 bytes.
+MAX_FIELD_LENGTH: Final = 2048
+
+# Header names (lower case, as ASGI delivers them) the verifier reads.
+SIGNATURE_HEADERS: Final = frozenset(
+    {"signature", "signature-input", "content-digest", "content-type"}
+)
+
+Reason = Literal[
+    "missing_signature",  # no Signature or no Signature-Input field
+    "missing_header",  # a covered field (Content-Digest, Content-Type) is absent
+    "malformed",  # a field is not the structured value it must be
+    "bad_components",  # covered components are not exactly COVERED_COMPONENTS
+    "bad_params",  # created/nonce/keyid missing, of the wrong type, or unknown parameters
+    "wrong_alg",  # alg missing or not hmac-sha256
+    "stale",  # created older than max_age
+    "future",  # created more than max_age ahead
+    "unknown_client",  # keyid names no configured client
+    "bad_signature",  # the HMAC does not match
+    "bad_digest",  # Content-Digest does not match the body
+    "replayed",  # (keyid, nonce) already seen (decided by the middleware)
+]
+
+_DIGESTS: Final[Mapping[str, Callable[[bytes], bytes]]] = {
+    "sha-256": lambda data: hashlib.sha256(data).digest(),
+    "sha-512": lambda data: hashlib.sha512(data).digest(),
+}
+_DIGEST_SIZES: Final = {"sha-256": 32, "sha-512": 64}
+# Compared against when the client is unknown, so that path costs the same as a wrong secret.
+_DUMMY_SECRET: Final = os.urandom(32)
+
+
+class AuthError(Unauthenticated):
+    """The request is not authenticated.
+
+    ``reason`` is for metrics and logs only; the client always sees the one
+    :class:`~service.errors.Unauthenticated` message, whatever the cause.
+    """
+
+    def __init__(self, reason: Reason) -> None:
+        super().__init__()
+        self.reason: Reason = reason
+
+    def __reduce__(self) -> tuple[type[AuthError], tuple[Reason]]:
+        return (type(self), (self.reason,))
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureInput:
+    """One parsed signature: its signed parameters and the signature bytes."""
+
+    label: str
+    keyid: str
+    nonce: str
+    created: int
+    signature_params: str  # serialized inner list: the "@signature-params" value
+    signature: bytes = field(repr=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (also used by the known-answer tests)
+
+
+def serialize_signature_params(
+    components: Sequence[str], params: Sequence[tuple[str, int | str]]
+) -> str:
+    """Serialize the ``@signature-params`` inner list, e.g. ``("@method");created=1``.
+
+    Only the value types a cryptd signature uses (sf-string components, integer and string
+    parameters); the tests check it against ``http_sfv``'s serializer.
+    """
+    if tuple(components) == COVERED_COMPONENTS:
+        items = _COVERED_SERIALIZED
+    else:
+        items = "(" + " ".join(_ser_string(name) for name in components) + ")"
+    return items + "".join(
+        f";{name}={value}" if type(value) is int else f";{name}={_ser_string(str(value))}"
+        for name, value in params
+    )
+
+
+def _ser_string(value: str) -> str:
+    # sf-string: printable ASCII only, with backslash and double quote escaped.
+    if not (value.isascii() and value.isprintable()):
+        raise AuthError("malformed")
+    if "\\" in value or '"' in value:
+        value = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{value}"'
+
+
+_COVERED_SERIALIZED: Final = "(" + " ".join(_ser_string(name) for name in COVERED_COMPONENTS) + ")"
+
+
+def signature_base(components: Sequence[tuple[str, str]], signature_params: str) -> bytes:
+    """The RFC 9421 section 2.5 signature base: one ``"name": value`` line per component."""
+    lines = [f'"{name}": {value}' for name, value in components]
+    lines.append(f'"@signature-params": {signature_params}')
+    text = "\n".join(lines)
+    if "\r" in text or text.count("\n") != len(components):
+        raise AuthError("malformed")
+    try:
+        return text.encode("ascii")
+    except UnicodeEncodeError:
+        raise AuthError("malformed") from None
+
+
+def hmac_sha256(secret: bytes, base: bytes) -> bytes:
+    return hmac.digest(secret, base, "sha256")
+
+
+def content_digest(body: bytes) -> str:
+    """``Content-Digest`` field value for ``body`` (sha-256)."""
+    return f"sha-256=:{base64.b64encode(hashlib.sha256(body).digest()).decode('ascii')}:"
+
+
+def check_content_digest(value: str, body: bytes) -> None:
+    """Check a ``Content-Digest`` field against ``body``.
+
+    The sha-256 member is required; a sha-512 member, if present, must match too; members
+    for other algorithms are ignored (RFC 9530 section 2).
+    """
+    match = _DIGEST_RE.fullmatch(value)
+    if match is not None:
+        digests = {"sha-256": _b64decode(match.group(1))}
+    else:
+        digests = _parse_digest_dictionary(value)
+    for algorithm, expected in digests.items():
+        if len(expected) != _DIGEST_SIZES[algorithm]:
+            raise AuthError("malformed")
+        if not hmac.compare_digest(expected, _DIGESTS[algorithm](body)):
+            raise AuthError("bad_digest")
+
+
+def parse_signature(signature_input: str, signature: str) -> SignatureInput:
+    """Parse and check the ``Signature-Input`` and ``Signature`` fields of one request.
+
+    Requests from cryptd signers take a fast path: one regular expression that matches only
+    the canonical serialization of a valid signature (so the matched text is the
+    ``@signature-params`` value as is). Anything else goes through the general ``http_sfv``
+    parser, which either accepts it (another valid spelling, e.g. other parameter order) or
+    says precisely what is wrong.
+    """
+    if len(signature_input) > MAX_FIELD_LENGTH or len(signature) > MAX_FIELD_LENGTH:
+        raise AuthError("malformed")
+    canonical = _CANONICAL_INPUT_RE.fullmatch(signature_input)
+    sig = _SIGNATURE_RE.fullmatch(signature)
+    if canonical is not None and sig is not None and canonical.group(1) == sig.group(1):
+        label, params, created, nonce, keyid = canonical.groups()
+        return SignatureInput(
+            label=label,
+            keyid=keyid,
+            nonce=nonce,
+            created=int(created),
+            signature_params=params,
+            signature=_b64decode(sig.group(2)),
+        )
+    return _check_params(*_reference_parse(signature_input, signature))
+
+
+# The canonical serialization our signer writes: sf-strings without escapes, integers without
+# leading zeros, parameters in REQUIRED_PARAMS order (RFC 8941 sections 3 and 4).
+_KEY = r"[a-z*][a-z0-9_\-.*]*"
+_PLAIN = r"[ !#-\[\]-~]"  # printable ASCII except '"' and '\'
+_CANONICAL_INPUT_RE = re.compile(
+    rf"({_KEY})=({re.escape(_COVERED_SERIALIZED)};created=(0|[1-9][0-9]{{0,14}})"
+    rf';nonce="({_PLAIN}{{1,{MAX_NONCE_LENGTH}}})";keyid="({_PLAIN}+)";alg="{ALGORITHM}")'
+)
+_SIGNATURE_RE = re.compile(rf"({_KEY})=:([A-Za-z0-9+/]*={{0,2}}):")
+_DIGEST_RE = re.compile(r"sha-256=:([A-Za-z0-9+/]*={0,2}):")
+
+_Params = list[tuple[str, object]]
+
+
+def _reference_parse(signature_input: str, signature: str) -> tuple[str, _Params, bytes]:
+    inputs = _parse_dictionary(signature_input)
+    signatures = _parse_dictionary(signature)
+    # One signature per request: a second one would be a second policy to get right.
+    if len(inputs) != 1 or list(inputs) != list(signatures):
+        raise AuthError("malformed")
+    label = next(iter(inputs))
+    members, sig_item = inputs[label], signatures[label]
+    if not isinstance(members, InnerList) or not isinstance(sig_item, Item):
+        raise AuthError("malformed")
+    if not isinstance(sig_item.value, bytes) or sig_item.params:
+        raise AuthError("malformed")
+    # Components must be plain strings without parameters, exactly ours, in our order.
+    if len(members) != len(COVERED_COMPONENTS) or any(
+        type(item.value) is not str or item.params or item.value != expected
+        for item, expected in zip(members, COVERED_COMPONENTS, strict=False)
+    ):
+        raise AuthError("bad_components")
+    return label, list(members.params.items()), sig_item.value
+
+
+def _check_params(label: str, params: _Params, mac: bytes) -> SignatureInput:
+    values = dict(params)
+    alg = values.get("alg")
+    if type(alg) is not str or alg != ALGORITHM:
+        raise AuthError("wrong_alg")
+    created, nonce, keyid = values.get("created"), values.get("nonce"), values.get("keyid")
+    if (
+        values.keys() != set(REQUIRED_PARAMS)
+        or type(created) is not int
+        or type(nonce) is not str
+        or type(keyid) is not str
+    ):
+        raise AuthError("bad_params")
+    if not 0 < len(nonce) <= MAX_NONCE_LENGTH or not keyid:
+        raise AuthError("bad_params")
+    typed: dict[str, int | str] = {"created": created, "nonce": nonce, "keyid": keyid, "alg": alg}
+    return SignatureInput(
+        label=label,
+        keyid=keyid,
+        nonce=nonce,
+        created=created,
+        # Re-serialized from the parsed values, as RFC 9421 section 3.2 has the verifier do.
+        signature_params=serialize_signature_params(
+            COVERED_COMPONENTS, [(name, typed[name]) for name, _ in params]
+        ),
+        signature=mac,
+    )
+
+
+def _b64decode(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error:
+        raise AuthError("malformed") from None
+
+
+def _parse_dictionary(value: str) -> Dictionary:
+    if len(value) > MAX_FIELD_LENGTH:
+        raise AuthError("malformed")
+    node = Dictionary()
+    try:
+        node.parse(value.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raise AuthError("malformed") from None
+    return node
+
+
+def _parse_digest_dictionary(value: str) -> dict[str, bytes]:
+    members = _parse_dictionary(value)
+    if "sha-256" not in members:
+        raise AuthError("malformed")
+    digests: dict[str, bytes] = {}
+    for algorithm, member in members.items():
+        if algorithm not in _DIGESTS:
+            continue
+        if not isinstance(member, Item) or not isinstance(member.value, bytes):
+            raise AuthError("malformed")
+        digests[algorithm] = member.value
+    return digests
+
+
+# --------------------------------------------------------------------------------------------
+# Verification and signing
+
+
+def verify_request(
+    *,
+    method: str,
+    path: str,
+    query: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    secret_for: Callable[[str], bytes | None],
+    now: float,
+    max_age: int = DEFAULT_MAX_AGE,
+) -> SignatureInput:
+    """Verify one request; return its signature parameters or raise :class:`AuthError`.
+
+    ``path`` is the request path as sent (still percent-encoded), ``query`` the query string
+    without ``?`` (empty when none), ``headers`` maps lower-case names to combined values.
+    ``secret_for(keyid)`` returns the client's HMAC key, or None for an unknown client.
+    Nothing here remembers nonces: replay is the caller's job, after this returns.
+    """
+    sig_input_field = headers.get("signature-input")
+    sig_field = headers.get("signature")
+    if sig_input_field is None or sig_field is None:
+        raise AuthError("missing_signature")
+    digest_field = headers.get("content-digest")
+    content_type = headers.get("content-type")
+    if digest_field is None or content_type is None:
+        raise AuthError("missing_header")
+
+    parsed = parse_signature(sig_input_field, sig_field)
+    if parsed.created < now - max_age:
+        raise AuthError("stale")
+    if parsed.created > now + max_age:
+        raise AuthError("future")
+
+    base = signature_base(
+        (
+            ("@method", method),
+            ("@path", path or "/"),
+            ("@query", "?" + query),
+            ("content-digest", digest_field),
+            ("content-type", content_type),
+        ),
+        parsed.signature_params,
+    )
+    secret = secret_for(parsed.keyid)
+    expected = hmac_sha256(_DUMMY_SECRET if secret is None else secret, base)
+    if not hmac.compare_digest(expected, parsed.signature) or secret is None:
+        raise AuthError("unknown_client" if secret is None else "bad_signature")
+    # The digest field is authentic now; the body must match it.
+    check_content_digest(digest_field, body)
+    return parsed
+
+
+def sign_request(
+    method: str,
+    url_path: str,
+    query: str,
+    body: bytes,
+    client_id: str,
+    secret: bytes,
+    created: int | None = None,
+    nonce: str | None = None,
+) -> dict[str, str]:
+    """Headers that authenticate one request: Content-Type, Content-Digest, Signature-Input,
+    Signature.
+
+    ``url_path`` must be the path exactly as it goes on the wire (percent-encoded), ``query``
+    the query string without ``?``. A fresh random nonce and the current time are used unless
+    given (known-answer tests give them).
+    """
+    digest = content_digest(body)
+    params = serialize_signature_params(
+        COVERED_COMPONENTS,
+        (
+            ("created", int(time.time()) if created is None else created),
+            ("nonce", secrets.token_urlsafe(18) if nonce is None else nonce),
+            ("keyid", client_id),
+            ("alg", ALGORITHM),
+        ),
+    )
+    base = signature_base(
+        (
+            ("@method", method.upper()),
+            ("@path", url_path or "/"),
+            ("@query", "?" + query),
+            ("content-digest", digest),
+            ("content-type", CONTENT_TYPE),
+        ),
+        params,
+    )
+    mac = base64.b64encode(hmac_sha256(secret, base)).decode("ascii")
+    return {
+        "Content-Type": CONTENT_TYPE,
+        "Content-Digest": digest,
+        "Signature-Input": f"{LABEL}={params}",
+        "Signature": f"{LABEL}=:{mac}:",
+    }

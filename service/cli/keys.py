@@ -1,0 +1,117 @@
+"""``cryptd keys create|rotate|list|show|set-min-version``: manage the keyring file directly."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import orjson
+
+from service.config import decode_master_key
+from service.crypto.registry import KEY_TYPES
+from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.masterkey import MasterKey
+
+
+def master_key_from_env(path: str | None = None) -> MasterKey:
+    """The master key from --master-key-file, CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE."""
+    if path:
+        return MasterKey(decode_master_key(Path(path).read_text(), path))
+    if value := os.environ.get("CRYPTD_MASTER_KEY"):
+        return MasterKey(decode_master_key(value, "CRYPTD_MASTER_KEY"))
+    if file := os.environ.get("CRYPTD_MASTER_KEY_FILE"):
+        return MasterKey(decode_master_key(Path(file).read_text(), "CRYPTD_MASTER_KEY_FILE"))
+    raise ValueError("set CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE, or pass --master-key-file")
+
+
+def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
+    path = Path(args.keyring or os.environ.get("CRYPTD_KEYRING_FILE", "keyring.json"))
+    master = master_key_from_env(args.master_key_file)
+    if create and not path.exists():
+        create_keyring_file(path, master)
+        print(f"created empty keyring {path}", file=sys.stderr)
+    manager = KeyManager(path, master)
+    manager.load()
+    return manager
+
+
+def _material(args: argparse.Namespace, type_name: str) -> bytes | None:
+    if not args.import_file:
+        return None
+    import_key = KEY_TYPES[type_name].import_key
+    if import_key is None:
+        raise ValueError(f"key type {type_name} does not support import")
+    return import_key(Path(args.import_file).read_bytes())
+
+
+def _print(data: object) -> None:
+    sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def create(args: argparse.Namespace) -> int:
+    manager = _manager(args, create=True)
+    key = manager.create(
+        args.name,
+        args.type,
+        deletion_allowed=args.deletion_allowed,
+        material=_material(args, args.type),
+    )
+    _print(key.metadata())
+    return 0
+
+
+def rotate(args: argparse.Namespace) -> int:
+    manager = _manager(args)
+    type_name = manager.keyring.key(args.name).type.name
+    _print(manager.rotate(args.name, material=_material(args, type_name)).metadata())
+    return 0
+
+
+def list_keys(args: argparse.Namespace) -> int:
+    keyring = _manager(args).keyring
+    _print({"keys": [keyring[name].metadata() for name in sorted(keyring)]})
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    _print(_manager(args).keyring.key(args.name).describe())
+    return 0
+
+
+def set_min_version(args: argparse.Namespace) -> int:
+    _print(_manager(args).update(args.name, min_decryption_version=args.version).metadata())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("keys", help="manage the keyring file")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
+    common.add_argument("--master-key-file", help="file holding the base64 master key")
+    actions = parser.add_subparsers(dest="action", required=True)
+
+    p = actions.add_parser("create", parents=[common], help="create a key (version 1)")
+    p.add_argument("name")
+    p.add_argument("--type", required=True, choices=sorted(KEY_TYPES))
+    p.add_argument("--deletion-allowed", action="store_true")
+    p.add_argument("--import", dest="import_file", help="import existing key material (PEM/hex)")
+    p.set_defaults(func=create)
+
+    p = actions.add_parser("rotate", parents=[common], help="add a new version")
+    p.add_argument("name")
+    p.add_argument("--import", dest="import_file", help="import the new version's material")
+    p.set_defaults(func=rotate)
+
+    p = actions.add_parser("list", parents=[common], help="list keys")
+    p.set_defaults(func=list_keys)
+
+    p = actions.add_parser("show", parents=[common], help="metadata and public keys")
+    p.add_argument("name")
+    p.set_defaults(func=show)
+
+    p = actions.add_parser("set-min-version", parents=[common], help="set min_decryption_version")
+    p.add_argument("name")
+    p.add_argument("version", type=int)
+    p.set_defaults(func=set_min_version)

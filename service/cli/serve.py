@@ -1,0 +1,122 @@
+"""``cryptd serve [--dev]``: run the service under uvicorn (uvloop, httptools)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import orjson
+
+from service.crypto.registry import KEY_TYPES
+from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.masterkey import MasterKey
+
+DEV_CLIENT_ID = "dev"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def prepare_dev_dir(directory: Path, url: str) -> bool:
+    """Create the development state once: master key, a keyring with one key of every type,
+    and an all-powerful client. Returns True when it was created now."""
+    master_path = directory / "master.key"
+    keyring_path = directory / "keyring.json"
+    clients_path = directory / "clients.json"
+    credential_path = directory / "client.json"
+    created = not master_path.exists()
+    if created:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        _write_private(master_path, base64.b64encode(key) + b"\n")
+        master = MasterKey(key)
+        create_keyring_file(keyring_path, master)
+        manager = KeyManager(keyring_path, master)
+        manager.load()
+        for type_name in KEY_TYPES:
+            manager.create(type_name, type_name, deletion_allowed=True)
+        secret = base64.b64encode(secrets.token_bytes(32)).decode()
+        clients = {
+            "clients": {
+                DEV_CLIENT_ID: {
+                    "secret": secret,
+                    "admin": True,
+                    "allow": [{"keys": "*", "operations": ["*"]}],
+                }
+            }
+        }
+        _write_private(clients_path, orjson.dumps(clients, option=orjson.OPT_INDENT_2))
+    else:
+        secret = orjson.loads(clients_path.read_bytes())["clients"][DEV_CLIENT_ID]["secret"]
+    credential = {"url": url, "client_id": DEV_CLIENT_ID, "secret": secret}
+    _write_private(credential_path, orjson.dumps(credential, option=orjson.OPT_INDENT_2))
+    os.environ.update(
+        {
+            "CRYPTD_ENV": "development",
+            "CRYPTD_MASTER_KEY_FILE": str(master_path.resolve()),
+            "CRYPTD_KEYRING_FILE": str(keyring_path.resolve()),
+            "CRYPTD_CLIENTS_FILE": str(clients_path.resolve()),
+        }
+    )
+    os.environ.pop("CRYPTD_MASTER_KEY", None)
+    if created:
+        print(
+            f"cryptd: development state created in {directory}/ "
+            f"(keys: {', '.join(KEY_TYPES)})\n"
+            f"cryptd: development client id {DEV_CLIENT_ID!r}, secret {secret}\n"
+            f"cryptd: (shown once; the credential is also in {credential_path})",
+            file=sys.stderr,
+        )
+    else:
+        print(f"cryptd: using development state in {directory}/ ({credential_path})", file=sys.stderr)
+    return created
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.config import Settings
+
+    if args.host:
+        os.environ["CRYPTD_HOST"] = args.host
+    if args.port:
+        os.environ["CRYPTD_PORT"] = str(args.port)
+    if args.workers:
+        os.environ["CRYPTD_WORKERS"] = str(args.workers)
+    if args.dev:
+        host = os.environ.get("CRYPTD_HOST", "127.0.0.1")
+        port = os.environ.get("CRYPTD_PORT", "8080")
+        directory = Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev"))
+        prepare_dev_dir(directory, f"http://{host}:{port}")
+    settings = Settings()  # validates now, so a bad config fails before any worker starts
+    uvicorn.run(
+        "service.app:app_factory",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        server_header=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("serve", help="run the service")
+    parser.add_argument("--dev", action="store_true", help="development mode with local state")
+    parser.add_argument("--host", help="bind address (default $CRYPTD_HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default $CRYPTD_PORT or 8080)")
+    parser.add_argument("--workers", type=int, help="server worker processes")
+    parser.set_defaults(func=serve)

@@ -1,0 +1,123 @@
+"""Interfaces of the crypto layer: bytes in, bytes out, no HTTP, no I/O.
+
+Every key type provides a :class:`KeyType` (how to generate, import and load its material) and a
+:class:`KeyHandle` (what a parsed key can do). Handles refuse pickling: key material never crosses
+a process boundary by accident; pool workers load the keyring themselves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, NoReturn
+
+Operation = Literal["encrypt", "decrypt", "sign", "verify"]
+
+
+class CryptoError(Exception):
+    """Base of the crypto layer's errors."""
+
+
+class InvalidCiphertext(CryptoError):
+    """Decryption failed. Deliberately says nothing about which check failed."""
+
+    def __init__(self) -> None:
+        super().__init__("decryption failed")
+
+
+class UnsupportedOperation(CryptoError):
+    """The key type does not support this operation."""
+
+
+class InvalidOptions(CryptoError):
+    """Options that do not apply to this key type, or bad values for it (safe to show a client)."""
+
+
+class InvalidKeyMaterial(CryptoError):
+    """Key material that cannot be imported (safe to show: says nothing of the key's bytes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignOptions:
+    """Per-request signing options. ``None`` means "not sent": each key type rejects options
+    that do not apply to it, so a client learns of a mistake instead of silently getting a default."""
+
+    algorithm: str | None = None  # RSA: "pss" (default) or "pkcs1v15"
+    encoding: str | None = None  # ECDSA and SM2: "der" (default) or "raw" (fixed-length r||s)
+    signer_id: bytes | None = None  # SM2 only; default b"1234567812345678"
+
+    def refuse(self, *names: str) -> None:
+        """Raise InvalidOptions if any of ``names`` was sent."""
+        for name in names:
+            if getattr(self, name) is not None:
+                raise InvalidOptions(f"'{name}' does not apply to this key type")
+
+
+class KeyHandle(ABC):  # noqa: B024 - every method has a refusing default on purpose
+    """A parsed key version. Methods a type does not support raise UnsupportedOperation."""
+
+    type_name: ClassVar[str]
+
+    def encrypt(self, plaintext: bytes, associated_data: bytes) -> bytes:
+        """Return the ciphertext body (no cryptd token framing)."""
+        self._unsupported("encrypt")
+
+    def decrypt(self, body: bytes, associated_data: bytes) -> bytes:
+        """Inverse of encrypt; raises InvalidCiphertext on any failure."""
+        self._unsupported("decrypt")
+
+    def decrypt_external(self, ciphertext: bytes, fmt: str) -> bytes:
+        """Decrypt ciphertext made by another tool with this key's public key."""
+        self._unsupported("decrypt")
+
+    def sign(self, data: bytes, *, prehashed: bool, options: SignOptions) -> bytes:
+        """Sign a message, or its digest when ``prehashed``."""
+        self._unsupported("sign")
+
+    def verify(
+        self, signature: bytes, data: bytes, *, prehashed: bool, options: SignOptions
+    ) -> bool:
+        """True when the signature verifies; False for any signature bytes that do not."""
+        self._unsupported("verify")
+
+    def public_key_pem(self) -> str | None:
+        """SubjectPublicKeyInfo PEM for asymmetric keys; None for secret keys."""
+        return None
+
+    def public_key_raw(self) -> str | None:
+        """Raw public key encoding where one is customary (SM2: hex 04||x||y)."""
+        return None
+
+    def _unsupported(self, operation: str) -> NoReturn:
+        raise UnsupportedOperation(f"key type {self.type_name} does not support {operation}")
+
+    def __getstate__(self) -> NoReturn:
+        raise TypeError("key handles cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.type_name}>"
+
+
+@dataclass(frozen=True)
+class KeyType:
+    """A key type: its token id, what it supports, and how its material is made and parsed.
+
+    ``material`` is the serialized secret (raw bytes for symmetric keys, PKCS#8 DER or a raw
+    scalar for private keys). ``load`` may skip expensive validation: material is only ever
+    loaded after the keyring authenticated it under the master key. ``import_key`` validates
+    untrusted input fully.
+    """
+
+    name: str
+    type_id: int
+    operations: frozenset[Operation]
+    asymmetric: bool
+    generate: Callable[[], bytes]
+    load: Callable[[bytes], KeyHandle]
+    import_key: Callable[[bytes], bytes] | None = None
+    external_formats: frozenset[str] = field(default_factory=frozenset)
+    sign_digest_size: int | None = None  # size of a precomputed digest; None: digests refused
+
+    def supports(self, operation: Operation) -> bool:
+        return operation in self.operations

@@ -1,0 +1,246 @@
+"""The crypto operations over a keyring snapshot: pure, synchronous, one item at a time.
+
+A single request is a batch of one: :func:`run_batch` runs every item through the single-item
+function and turns per-item failures into error entries, so one bad item never fails the others.
+The same functions run inline, in a thread, or inside a pool worker process.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from service.crypto.base import (
+    InvalidCiphertext,
+    InvalidOptions,
+    SignOptions,
+    UnsupportedOperation,
+)
+from service.errors import CryptdError, DecryptionFailed, Internal, InvalidRequest
+from service.keys import token
+from service.keys.keyring import Key, Keyring, KeyVersion
+
+log = logging.getLogger("cryptd.engine")
+
+OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"]
+Result = dict[str, Any]
+# observer(operation, key_type, seconds, outcome, items)
+Observer = Callable[[str, str, float, str, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptItem:
+    plaintext: bytes
+    aad: bytes = b""
+    key_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecryptItem:
+    ciphertext: str
+    aad: bytes = b""
+    format: str | None = None
+    key_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SignItem:
+    data: bytes
+    prehashed: bool = False
+    options: SignOptions = SignOptions()
+    key_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    signature: bytes
+    data: bytes
+    prehashed: bool = False
+    options: SignOptions = SignOptions()
+    key_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewrapItem:
+    ciphertext: str
+    aad: bytes = b""
+    to_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DatakeyItem:
+    bits: int = 256
+    aad: bytes = b""
+
+
+Item = EncryptItem | DecryptItem | SignItem | VerifyItem | RewrapItem | DatakeyItem
+
+# Which key capability each API operation needs.
+REQUIRES: dict[OpName, str] = {
+    "encrypt": "encrypt",
+    "decrypt": "decrypt",
+    "sign": "sign",
+    "verify": "verify",
+    "rewrap": "decrypt",
+    "datakey": "encrypt",
+}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def check_operation(key: Key, op: OpName) -> None:
+    """Refuse (400) an operation the key's type does not support."""
+    if not key.type.supports(REQUIRES[op]):  # type: ignore[arg-type]
+        raise InvalidRequest(f"key type {key.type.name} does not support {op}")
+
+
+def _seal(key: Key, version: int | None, plaintext: bytes, aad: bytes) -> Result:
+    kv = key.version(version)
+    ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
+    body = kv.handle.encrypt(plaintext, ad)
+    return {
+        "ciphertext": token.encode(kv.version, key.type.type_id, body),
+        "key_version": kv.version,
+    }
+
+
+def _open(key: Key, ciphertext: str, aad: bytes, key_version: int | None) -> tuple[bytes, int]:
+    version, type_id, body = token.decode(ciphertext)
+    if key_version is not None and key_version != version:
+        raise InvalidRequest("key_version does not match the version the token names")
+    kv = key.version(version)
+    if type_id != key.type.type_id:
+        raise DecryptionFailed
+    ad = token.associated_data(key.name, version, type_id, aad)
+    return kv.handle.decrypt(body, ad), version
+
+
+def encrypt(keyring: Keyring, key: Key, item: EncryptItem) -> Result:
+    return _seal(key, item.key_version, item.plaintext, item.aad)
+
+
+def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
+    if item.format is None:
+        plaintext, version = _open(key, item.ciphertext, item.aad, item.key_version)
+        return {"plaintext": b64(plaintext), "key_version": version}
+    if item.format not in key.type.external_formats:
+        allowed = ", ".join(sorted(key.type.external_formats)) or "none"
+        raise InvalidRequest(f"format {item.format!r} not supported by {key.type.name} (allowed: {allowed})")
+    if item.aad:
+        raise InvalidRequest("aad does not apply to external ciphertext formats")
+    try:
+        raw = base64.b64decode(item.ciphertext, validate=True)
+    except ValueError:
+        raise InvalidRequest("ciphertext is not valid base64") from None
+    kv = key.version(item.key_version)
+    return {"plaintext": b64(kv.handle.decrypt_external(raw, item.format)), "key_version": kv.version}
+
+
+def _signing_version(key: Key, data: bytes, prehashed: bool, version: int | None) -> KeyVersion:
+    if prehashed:
+        size = key.type.sign_digest_size
+        if size is None:
+            raise InvalidRequest(f"key type {key.type.name} signs messages only; 'digest' is not accepted")
+        if len(data) != size:
+            raise InvalidRequest(f"digest must be {size} bytes for {key.type.name}")
+    return key.version(version)
+
+
+def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:
+    kv = _signing_version(key, item.data, item.prehashed, item.key_version)
+    signature = kv.handle.sign(item.data, prehashed=item.prehashed, options=item.options)
+    return {"signature": b64(signature), "key_version": kv.version}
+
+
+def verify(keyring: Keyring, key: Key, item: VerifyItem) -> Result:
+    kv = _signing_version(key, item.data, item.prehashed, item.key_version)
+    valid = kv.handle.verify(
+        item.signature, item.data, prehashed=item.prehashed, options=item.options
+    )
+    return {"valid": valid}
+
+
+def rewrap(keyring: Keyring, key: Key, item: RewrapItem) -> Result:
+    target = key if item.to_key is None else keyring.key(item.to_key)
+    check_operation(target, "encrypt")
+    plaintext, _ = _open(key, item.ciphertext, item.aad, None)
+    return _seal(target, None, plaintext, item.aad)
+
+
+def datakey(keyring: Keyring, key: Key, item: DatakeyItem) -> Result:
+    if item.bits not in (128, 256):
+        raise InvalidRequest("bits must be 128 or 256")
+    dek = os.urandom(item.bits // 8)
+    sealed = _seal(key, None, dek, item.aad)
+    return {"plaintext": b64(dek), **sealed}
+
+
+OPERATIONS: dict[OpName, Callable[[Keyring, Key, Any], Result]] = {
+    "encrypt": encrypt,
+    "decrypt": decrypt,
+    "sign": sign,
+    "verify": verify,
+    "rewrap": rewrap,
+    "datakey": datakey,
+}
+
+
+def translate(exc: Exception) -> CryptdError:
+    """Map a lower layer's error to the client-facing one (never echoing internals)."""
+    if isinstance(exc, CryptdError):
+        return exc
+    if isinstance(exc, InvalidCiphertext):
+        return DecryptionFailed()
+    if isinstance(exc, InvalidOptions | UnsupportedOperation):
+        return InvalidRequest(str(exc))
+    # Unexpected: log the type and where, not the message (it could hold data).
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb else "?"
+    log.error("unexpected error in crypto operation", extra={"error_type": type(exc).__name__, "where": where})
+    return Internal()
+
+
+def error_entry(exc: CryptdError) -> Result:
+    return {"error": {"code": exc.code, "message": exc.message}}
+
+
+Outcome = Result | CryptdError
+
+
+def run_batch(
+    keyring: Keyring,
+    op: OpName,
+    name: str,
+    items: Sequence[Item],
+    observer: Observer | None = None,
+) -> list[Outcome]:
+    """Run ``items`` through the single-item function; a failing item yields its error.
+
+    Key-level problems (unknown key, unsupported operation) raise instead: they concern the
+    whole request, not one item.
+    """
+    key = keyring.key(name)
+    check_operation(key, op)
+    function = OPERATIONS[op]
+    results: list[Outcome] = []
+    failures = 0
+    started = time.perf_counter()
+    for item in items:
+        try:
+            results.append(function(keyring, key, item))
+        except Exception as exc:
+            failures += 1
+            results.append(translate(exc))
+    if observer is not None:
+        outcome = "ok" if failures == 0 else ("error" if failures == len(items) else "partial")
+        observer(op, key.type.name, time.perf_counter() - started, outcome, len(items))
+    return results

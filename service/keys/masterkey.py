@@ -1,0 +1,51 @@
+"""Wrapping of key material at rest: AES-256-GCM under the master key.
+
+Each blob is bound to its place in the keyring (key name, version, type) through the associated
+data, so material cannot be moved from one key or version to another inside the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from service.crypto.aead import AesGcm
+from service.crypto.base import InvalidCiphertext
+
+
+class WrongMasterKey(Exception):
+    """The keyring was written under another master key, or a blob was altered."""
+
+
+class MasterKey:
+    __slots__ = ("_aead", "key_id")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise ValueError("master key must be 32 bytes")
+        self._aead = AesGcm(key)
+        # A public fingerprint so a wrong master key is reported clearly, not as 100 bad blobs.
+        self.key_id = hmac.new(key, b"cryptd master key id", hashlib.sha256).hexdigest()[:16]
+
+    @staticmethod
+    def _context(name: str, version: int, type_name: str) -> bytes:
+        return b"cryptd-keyring/1\x00%s\x00%d\x00%s" % (
+            name.encode(),
+            version,
+            type_name.encode(),
+        )
+
+    def wrap(self, material: bytes, *, name: str, version: int, type_name: str) -> bytes:
+        return self._aead.seal(material, self._context(name, version, type_name))
+
+    def unwrap(self, blob: bytes, *, name: str, version: int, type_name: str) -> bytes:
+        try:
+            return self._aead.open(blob, self._context(name, version, type_name))
+        except InvalidCiphertext:
+            raise WrongMasterKey(f"key {name!r} version {version} does not unwrap") from None
+
+    def __getstate__(self) -> None:
+        raise TypeError("the master key cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"<MasterKey id={self.key_id}>"

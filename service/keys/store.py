@@ -1,0 +1,209 @@
+"""The keyring file: JSON, every version's material wrapped under the master key.
+
+Writes are atomic (temp file in the same directory, fsync, rename, fsync of the directory) and
+serialised between processes by an advisory lock on a sibling ``.lock`` file.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from service.crypto.registry import KEY_TYPES
+from service.keys.keyring import Key, Keyring, KeyVersion, check_key_name
+from service.keys.masterkey import MasterKey
+
+FILE_FORMAT = "cryptd-keyring/1"
+
+
+class KeyringFileError(Exception):
+    """The keyring file is unreadable, malformed or written under another master key."""
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    created_at: str
+    material: bytes  # wrapped
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "created_at": self.created_at,
+            "material": base64.b64encode(self.material).decode(),
+        }
+
+
+@dataclass
+class KeyRecord:
+    type: str
+    created_at: str
+    min_decryption_version: int = 1
+    deletion_allowed: bool = False
+    versions: list[VersionRecord] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "created_at": self.created_at,
+            "min_decryption_version": self.min_decryption_version,
+            "deletion_allowed": self.deletion_allowed,
+            "versions": [v.to_json() for v in self.versions],
+        }
+
+
+@dataclass
+class KeyringDocument:
+    """The file's content, material still wrapped. Mutated only under the file lock."""
+
+    master_key_id: str
+    keys: dict[str, KeyRecord] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(
+            {
+                "format": FILE_FORMAT,
+                "master_key_id": self.master_key_id,
+                "keys": {name: rec.to_json() for name, rec in sorted(self.keys.items())},
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KeyringDocument:
+        try:
+            raw = orjson.loads(data)
+            if raw.get("format") != FILE_FORMAT:
+                raise KeyringFileError(f"unsupported keyring format {raw.get('format')!r}")
+            keys: dict[str, KeyRecord] = {}
+            for name, rec in raw["keys"].items():
+                check_key_name(name)
+                versions = [
+                    VersionRecord(
+                        version=int(v["version"]),
+                        created_at=str(v["created_at"]),
+                        material=base64.b64decode(v["material"], validate=True),
+                    )
+                    for v in rec["versions"]
+                ]
+                if not versions or sorted(v.version for v in versions) != list(
+                    range(1, len(versions) + 1)
+                ):
+                    raise KeyringFileError(f"key {name!r} has missing or duplicate versions")
+                if rec["type"] not in KEY_TYPES:
+                    raise KeyringFileError(f"key {name!r} has unknown type {rec['type']!r}")
+                keys[name] = KeyRecord(
+                    type=rec["type"],
+                    created_at=str(rec["created_at"]),
+                    min_decryption_version=int(rec["min_decryption_version"]),
+                    deletion_allowed=bool(rec["deletion_allowed"]),
+                    versions=versions,
+                )
+            return cls(master_key_id=str(raw["master_key_id"]), keys=keys)
+        except KeyringFileError:
+            raise
+        except Exception as exc:  # any structural problem; never echo file content
+            raise KeyringFileError(f"malformed keyring file ({type(exc).__name__})") from None
+
+    def build(self, master: MasterKey, generation: str) -> Keyring:
+        """Unwrap and parse every version: the only place material is decrypted."""
+        if self.master_key_id != master.key_id:
+            raise KeyringFileError(
+                f"keyring was written under master key {self.master_key_id}, "
+                f"this process has {master.key_id}"
+            )
+        keys: dict[str, Key] = {}
+        for name, rec in self.keys.items():
+            key_type = KEY_TYPES[rec.type]
+            versions: dict[int, KeyVersion] = {}
+            for v in rec.versions:
+                material = master.unwrap(
+                    v.material, name=name, version=v.version, type_name=rec.type
+                )
+                versions[v.version] = KeyVersion(v.version, v.created_at, key_type.load(material))
+            keys[name] = Key(
+                name=name,
+                type=key_type,
+                created_at=rec.created_at,
+                min_decryption_version=rec.min_decryption_version,
+                deletion_allowed=rec.deletion_allowed,
+                versions=versions,
+            )
+        return Keyring(keys, generation)
+
+
+def generation_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+class KeyringFile:
+    """Reads and atomically rewrites one keyring file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> tuple[KeyringDocument, str]:
+        try:
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise KeyringFileError(f"cannot read keyring {self.path}: {exc.strerror}") from None
+        return KeyringDocument.from_bytes(data), generation_of(data)
+
+    def load(self, master: MasterKey) -> Keyring:
+        document, generation = self.read()
+        try:
+            return document.build(master, generation)
+        except KeyringFileError:
+            raise
+        except Exception as exc:
+            raise KeyringFileError(f"keyring does not load: {exc}") from None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive lock across processes for a read-modify-write."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def write(self, document: KeyringDocument) -> str:
+        """Atomically replace the file; returns the new generation."""
+        data = document.to_bytes()
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return generation_of(data)

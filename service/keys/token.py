@@ -1,0 +1,63 @@
+"""The ciphertext token: ``cryptd:v<version>:<base64url(body), no padding>``.
+
+Binary body (documented with vectors in docs/FORMAT.md):
+
+    format (u8, = 1) || key type id (u8) || algorithm body
+
+The associated data given to every AEAD is :func:`associated_data`, which binds the token to the
+key's name, version and type, plus the caller's ``aad``; a token therefore never decrypts under
+another key, another version, or with another ``aad``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import struct
+
+from service.errors import DecryptionFailed, InvalidRequest
+
+PREFIX = "cryptd:v"
+FORMAT = 1
+_HEADER = struct.Struct(">BB")
+_TOKEN = re.compile(r"cryptd:v([1-9][0-9]{0,9}):([A-Za-z0-9_-]+)\Z")
+
+
+def encode(version: int, type_id: int, body: bytes) -> str:
+    data = _HEADER.pack(FORMAT, type_id) + body
+    return f"{PREFIX}{version}:{base64.urlsafe_b64encode(data).rstrip(b'=').decode('ascii')}"
+
+
+def decode(token: str) -> tuple[int, int, bytes]:
+    """Return (version, type id, algorithm body).
+
+    A string that is not a token at all is a bad request; a well-formed token whose binary
+    part is damaged fails like any other decryption (no oracle).
+    """
+    match = _TOKEN.match(token)
+    if match is None:
+        raise InvalidRequest("ciphertext is not a cryptd token (cryptd:v<N>:<base64url>)")
+    version = int(match.group(1))
+    text = match.group(2)
+    try:
+        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise DecryptionFailed from None
+    if len(data) < _HEADER.size:
+        raise DecryptionFailed
+    fmt, type_id = _HEADER.unpack_from(data)
+    if fmt != FORMAT:
+        raise DecryptionFailed
+    return version, type_id, data[_HEADER.size :]
+
+
+def associated_data(name: str, version: int, type_id: int, aad: bytes) -> bytes:
+    """Context bound into every AEAD: all fields before ``aad`` are length-delimited."""
+    encoded = name.encode()
+    return (
+        b"cryptd/1"
+        + struct.pack(">BBI", type_id, len(encoded), version)
+        + encoded
+        + aad
+    )
