@@ -17,6 +17,8 @@ from service.api import errors
 from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from service.api.routes import crypto, health, keys
+from service.auth.middleware import SignatureAuthMiddleware
+from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.keys.manager import KeyManager
@@ -79,7 +81,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ok = ok and stats.workers_alive > 0
         return ok, detail
 
-    readiness: list[tuple[str, ReadinessCheck]] = [("pool", pool_ready)]
+    auth = build_auth(settings)
+
+    async def replay_ready() -> tuple[bool, dict[str, Any]]:
+        ok = await auth.replay.ping()
+        return ok, {"backend": "redis" if auth.redis is not None else "memory"}
+
+    readiness: list[tuple[str, ReadinessCheck]] = [
+        ("pool", pool_ready),
+        ("replay_store", replay_ready),
+    ]
     services = Services(
         keys=manager,
         runner=runner,
@@ -109,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await watcher
             for executor in by_kind.values():
                 await executor.close()
+            await auth.aclose()
 
     app = FastAPI(
         title="cryptd",
@@ -123,6 +135,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(crypto.router)
 
     # Starlette wraps in reverse order: the last added runs first.
+    app.add_middleware(
+        SignatureAuthMiddleware,
+        registry_provider=auth.clients,
+        replay=auth.replay,
+        rate_limiter=auth.rate_limiter,
+        max_age=settings.signature_max_age,
+        fail_open=settings.replay_fail_open,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -10,18 +10,9 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from service.errors import Forbidden
+from service.auth import middleware as auth
 from service.keys.manager import KeyManager
 from service.runner import CryptoRunner
-
-
-class Caller(Protocol):
-    """The authenticated client, as the auth middleware puts it in ``scope["state"]``."""
-
-    id: str
-    admin: bool
-
-    def allows(self, key: str, operation: str) -> bool: ...
 
 
 class ReadinessCheck(Protocol):
@@ -41,27 +32,17 @@ def services(request: Request) -> Services:
     return found
 
 
-def caller(request: Request) -> Caller | None:
-    """The authenticated client, or None when authentication is disabled (development only)."""
-    found: Caller | None = request.scope.get("state", {}).get("client")
-    return found
-
-
 def authorize(request: Request, key: str, operation: str) -> None:
-    client = caller(request)
-    if client is not None and not (client.admin or client.allows(key, operation)):
-        raise Forbidden()
+    """403 unless the authenticated client's policy allows ``operation`` on ``key``."""
+    auth.authorize(auth.client_from_scope(request.scope), key, operation)
 
 
 def require_admin(request: Request) -> None:
-    client = caller(request)
-    if client is not None and not client.admin:
-        raise Forbidden("key management requires an admin client")
+    auth.require_admin(auth.client_from_scope(request.scope))
 
 
 def may_read(request: Request, key: str) -> bool:
-    client = caller(request)
-    return client is None or client.admin or client.allows(key, "read")
+    return auth.client_from_scope(request.scope).allows(key, "read")
 
 
 def note(request: Request, **fields: object) -> None:

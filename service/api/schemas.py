@@ -112,10 +112,15 @@ def _sign_options(body: SignRequest) -> SignOptions:
 
 
 def _validate(model: type[M], data: Any) -> M:
+    """Wrong JSON types are 400 (the contract's table); other schema failures (a missing or
+    unknown field) are 422, as FastAPI answers them."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise SchemaError(schema_message(exc)) from None
+        message = schema_message(exc)
+        if all(error["type"].endswith("_type") for error in exc.errors()):
+            raise InvalidRequest(message) from None
+        raise SchemaError(message) from None
 
 
 def schema_message(exc: ValidationError) -> str:

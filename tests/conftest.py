@@ -1,0 +1,150 @@
+"""Shared fixtures: real cryptd servers (uvicorn subprocesses) and signed raw requests."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from service.auth.signature import sign_request
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A running ``cryptd serve --dev`` process and its development credential."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    client_id: str
+    secret: bytes
+    directory: Path
+    log_path: Path
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        sign: bool = True,
+        client_id: str | None = None,
+        secret: bytes | None = None,
+        query: str = "",
+    ) -> httpx.Response:
+        """A signed request (unless ``sign=False``); ``raw`` sends bytes as they are."""
+        content = raw if raw is not None else (b"" if body is None else orjson.dumps(body))
+        sent: dict[str, str] = {}
+        if sign:
+            sent.update(
+                sign_request(
+                    method,
+                    path,
+                    query,
+                    content,
+                    client_id or self.client_id,
+                    secret or self.secret,
+                )
+            )
+        sent.update(headers or {})
+        url = self.url + path + (f"?{query}" if query else "")
+        return httpx.request(method, url, content=content, headers=sent, timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(
+    directory: Path, env: Mapping[str, str] | None = None, *, workers: int = 1
+) -> Server:
+    port = free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    log_path = directory / "server.log"
+    full_env = {
+        **os.environ,
+        "CRYPTD_DEV_DIR": str(directory / "dev"),
+        "CRYPTD_WORKERS": str(workers),
+        **(env or {}),
+    }
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+            cwd=directory,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {log_path.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                break
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server not ready: {log_path.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+    credential = orjson.loads((directory / "dev" / "client.json").read_bytes())
+    return Server(
+        process,
+        url,
+        credential["client_id"],
+        base64.b64decode(credential["secret"]),
+        directory,
+        log_path,
+    )
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.terminate()
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One shared development server for API tests that do not change its configuration."""
+    running = start_server(tmp_path_factory.mktemp("server"))
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The real Redis; skipped where none runs, but a failure under CI."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Redis at {REDIS_URL} is required under CI: {exc}")
+        pytest.skip(f"Redis at {REDIS_URL} is not reachable: {exc}")
+    return REDIS_URL
