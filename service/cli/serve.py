@@ -95,7 +95,9 @@ def serve(args: argparse.Namespace) -> int:
         port = os.environ.get("CRYPTD_PORT", "8080")
         directory = Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev"))
         prepare_dev_dir(directory, f"http://{host}:{port}")
-    settings = Settings()  # validates now, so a bad config fails before any worker starts
+    # Validate now, so a bad configuration fails here, not in every worker.
+    settings = Settings()
+    settings.load_master_key()
     uvicorn.run(
         "service.app:app_factory",
         factory=True,
