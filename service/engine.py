@@ -27,6 +27,7 @@ from service.keys.keyring import Key, Keyring, KeyVersion
 
 log = logging.getLogger("cryptd.engine")
 
+NO_OPTIONS = SignOptions()
 OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"]
 Result = dict[str, Any]
 # observer(operation, key_type, seconds, outcome, items)
@@ -52,7 +53,7 @@ class DecryptItem:
 class SignItem:
     data: bytes
     prehashed: bool = False
-    options: SignOptions = SignOptions()
+    options: SignOptions = NO_OPTIONS
     key_version: int | None = None
 
 
@@ -61,7 +62,7 @@ class VerifyItem:
     signature: bytes
     data: bytes
     prehashed: bool = False
-    options: SignOptions = SignOptions()
+    options: SignOptions = NO_OPTIONS
     key_version: int | None = None
 
 
@@ -132,7 +133,9 @@ def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
         return {"plaintext": b64(plaintext), "key_version": version}
     if item.format not in key.type.external_formats:
         allowed = ", ".join(sorted(key.type.external_formats)) or "none"
-        raise InvalidRequest(f"format {item.format!r} not supported by {key.type.name} (allowed: {allowed})")
+        raise InvalidRequest(
+            f"format {item.format!r} not supported by {key.type.name} (allowed: {allowed})"
+        )
     if item.aad:
         raise InvalidRequest("aad does not apply to external ciphertext formats")
     try:
@@ -140,14 +143,19 @@ def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
     except ValueError:
         raise InvalidRequest("ciphertext is not valid base64") from None
     kv = key.version(item.key_version)
-    return {"plaintext": b64(kv.handle.decrypt_external(raw, item.format)), "key_version": kv.version}
+    return {
+        "plaintext": b64(kv.handle.decrypt_external(raw, item.format)),
+        "key_version": kv.version,
+    }
 
 
 def _signing_version(key: Key, data: bytes, prehashed: bool, version: int | None) -> KeyVersion:
     if prehashed:
         size = key.type.sign_digest_size
         if size is None:
-            raise InvalidRequest(f"key type {key.type.name} signs messages only; 'digest' is not accepted")
+            raise InvalidRequest(
+                f"key type {key.type.name} signs messages only; 'digest' is not accepted"
+            )
         if len(data) != size:
             raise InvalidRequest(f"digest must be {size} bytes for {key.type.name}")
     return key.version(version)
@@ -205,7 +213,10 @@ def translate(exc: Exception) -> CryptdError:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb else "?"
-    log.error("unexpected error in crypto operation", extra={"error_type": type(exc).__name__, "where": where})
+    log.error(
+        "unexpected error in crypto operation",
+        extra={"error_type": type(exc).__name__, "where": where},
+    )
     return Internal()
 
 

@@ -46,7 +46,9 @@ def assert_error(response: httpx.Response, status: int, code: str) -> None:
 @pytest.mark.parametrize("key", ENCRYPTING)
 def test_encrypt_decrypt_round_trip_with_aad(server: Server, key: str) -> None:
     plaintext = b"\x00secret payload\xff" * 10
-    enc = server.request("POST", f"/v1/encrypt/{key}", {"plaintext": b64(plaintext), "aad": b64(b"ctx")})
+    enc = server.request(
+        "POST", f"/v1/encrypt/{key}", {"plaintext": b64(plaintext), "aad": b64(b"ctx")}
+    )
     assert enc.status_code == 200, enc.text
     body = enc.json()
     assert body["key_version"] == 1
@@ -122,14 +124,16 @@ def test_sign_verify(server: Server, key: str) -> None:
 
 def test_signature_of_another_key_is_invalid_not_error(server: Server) -> None:
     message = b64(b"m")
-    signature = server.request("POST", "/v1/sign/rsa-2048", {"message": message}).json()["signature"]
+    signature = server.request("POST", "/v1/sign/rsa-2048", {"message": message}).json()[
+        "signature"
+    ]
     response = server.request(
         "POST", "/v1/verify/rsa-3072", {"message": message, "signature": signature}
     )
     assert response.json() == {"valid": False}
 
 
-@pytest.mark.parametrize("key", ("rsa-2048", "ecdsa-p256"))
+@pytest.mark.parametrize("key", ["rsa-2048", "ecdsa-p256"])
 def test_sign_digest_matches_message(server: Server, key: str) -> None:
     message = b"digest me"
     digest = b64(hashlib.sha256(message).digest())
@@ -194,16 +198,16 @@ def test_message_and_digest_exclusive(server: Server) -> None:
 
 def test_operation_the_key_type_does_not_support(server: Server) -> None:
     assert_error(
-        server.request("POST", "/v1/sign/aes256-gcm", {"message": b64(b"m")}), 400, "invalid_request"
+        server.request("POST", "/v1/sign/aes256-gcm", {"message": b64(b"m")}),
+        400,
+        "invalid_request",
     )
     assert_error(
         server.request("POST", "/v1/encrypt/ed25519", {"plaintext": b64(b"m")}),
         400,
         "invalid_request",
     )
-    assert_error(
-        server.request("POST", "/v1/datakey/ecdsa-p256", {}), 400, "invalid_request"
-    )
+    assert_error(server.request("POST", "/v1/datakey/ecdsa-p256", {}), 400, "invalid_request")
 
 
 def test_external_rsa_oaep_ciphertext(server: Server) -> None:
@@ -341,14 +345,18 @@ def test_batch_order_and_single_path(server: Server, op: str) -> None:
 
 
 def test_batch_shape_errors(server: Server) -> None:
-    assert_error(server.request("POST", "/v1/encrypt/aes256-gcm", {"batch": []}), 400, "invalid_request")
+    assert_error(
+        server.request("POST", "/v1/encrypt/aes256-gcm", {"batch": []}), 400, "invalid_request"
+    )
     assert_error(
         server.request("POST", "/v1/encrypt/aes256-gcm", {"batch": {"plaintext": ""}}),
         400,
         "invalid_request",
     )
     too_many = {"batch": [{"plaintext": ""}] * 1001}
-    assert_error(server.request("POST", "/v1/encrypt/aes256-gcm", too_many), 413, "payload_too_large")
+    assert_error(
+        server.request("POST", "/v1/encrypt/aes256-gcm", too_many), 413, "payload_too_large"
+    )
     unknown = server.request("POST", "/v1/encrypt/nope", {"batch": [{"plaintext": ""}]})
     assert_error(unknown, 404, "key_not_found")
 
@@ -383,13 +391,16 @@ def test_key_lifecycle_rotation_and_min_version(server: Server) -> None:
     assert created.status_code == 201, created.text
     assert created.json()["latest_version"] == 1
     assert created.json()["deletion_allowed"] is False
-    assert_error(server.request("POST", f"/v1/keys/{name}", {"type": "aes256-gcm"}), 409, "conflict")
+    assert_error(
+        server.request("POST", f"/v1/keys/{name}", {"type": "aes256-gcm"}), 409, "conflict"
+    )
     old = server.request("POST", f"/v1/encrypt/{name}", {"plaintext": b64(b"v1")}).json()
     rotated = server.request("POST", f"/v1/keys/{name}/rotate")
     assert rotated.status_code == 200
     assert rotated.json()["latest_version"] == 2
     new = server.request("POST", f"/v1/encrypt/{name}", {"plaintext": b64(b"v2")}).json()
-    assert new["key_version"] == 2 and new["ciphertext"].startswith("cryptd:v2:")
+    assert new["key_version"] == 2
+    assert new["ciphertext"].startswith("cryptd:v2:")
     pinned = server.request(
         "POST", f"/v1/encrypt/{name}", {"plaintext": b64(b"x"), "key_version": 1}
     ).json()
@@ -414,7 +425,9 @@ def test_key_lifecycle_rotation_and_min_version(server: Server) -> None:
         400,
         "invalid_request",
     )
-    assert_error(server.request("PATCH", f"/v1/keys/{name}", {"unknown": 1}), 400, "invalid_request")
+    assert_error(
+        server.request("PATCH", f"/v1/keys/{name}", {"unknown": 1}), 400, "invalid_request"
+    )
     assert_error(
         server.request("PATCH", f"/v1/keys/{name}", {"min_decryption_version": 3}),
         400,
@@ -426,7 +439,8 @@ def test_key_lifecycle_rotation_and_min_version(server: Server) -> None:
     assert deleted.status_code == 204
     assert_error(server.request("GET", f"/v1/keys/{name}"), 404, "key_not_found")
     again = server.request("POST", f"/v1/keys/{name}", {"type": "sm2"})
-    assert again.status_code == 201 and again.json()["latest_version"] == 1
+    assert again.status_code == 201
+    assert again.json()["latest_version"] == 1
     # the old key's v1 token never opens under the new key that reuses the name
     assert_error(
         server.request("POST", f"/v1/decrypt/{name}", {"ciphertext": pinned["ciphertext"]}),
@@ -443,7 +457,9 @@ def test_key_lifecycle_rotation_and_min_version(server: Server) -> None:
 def test_rotate_and_delete_unknown_key(server: Server) -> None:
     assert_error(server.request("POST", "/v1/keys/ghost/rotate"), 404, "key_not_found")
     assert_error(server.request("DELETE", "/v1/keys/ghost"), 404, "key_not_found")
-    assert_error(server.request("PATCH", "/v1/keys/ghost", {"deletion_allowed": True}), 404, "key_not_found")
+    assert_error(
+        server.request("PATCH", "/v1/keys/ghost", {"deletion_allowed": True}), 404, "key_not_found"
+    )
     assert_error(server.request("POST", "/v1/keys/ghost", {"type": "des"}), 400, "invalid_request")
 
 
@@ -497,7 +513,9 @@ def test_schema_validation_is_422(server: Server) -> None:
         422,
         "invalid_request",
     )
-    assert_error(server.request("POST", "/v1/verify/rsa-2048", {"message": ""}), 422, "invalid_request")
+    assert_error(
+        server.request("POST", "/v1/verify/rsa-2048", {"message": ""}), 422, "invalid_request"
+    )
 
 
 def test_verify_bad_base64_signature_is_an_error(server: Server) -> None:
@@ -510,9 +528,7 @@ def test_verify_bad_base64_signature_is_an_error(server: Server) -> None:
 def test_unauthenticated(server: Server) -> None:
     response = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}, sign=False)
     assert_error(response, 401, "unauthenticated")
-    wrong = server.request(
-        "POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}, secret=b"\x01" * 32
-    )
+    wrong = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}, secret=b"\x01" * 32)
     assert_error(wrong, 401, "unauthenticated")
     assert wrong.json() == response.json()
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import Server, start_server, stop_server
@@ -62,41 +63,53 @@ def dev_env(server: Server) -> dict[str, str]:
 def test_policy_refusal_is_403_and_hot_reloaded_clients(own_server: Callable[..., Server]) -> None:
     server = own_server(CRYPTD_KEYRING_RELOAD_INTERVAL="0.2")
     added = cryptd(
-        "clients", "add", "limited", "--allow", "aes*:encrypt", "--file",
+        "clients",
+        "add",
+        "limited",
+        "--allow",
+        "aes*:encrypt",
+        "--file",
         str(server.directory / "dev" / "clients.json"),
     )
     assert added.returncode == 0, added.stderr
     secret = base64.b64decode(added.stdout.strip().splitlines()[0])
 
-    def as_limited(method: str, path: str, body: object = None) -> object:
+    def as_limited(method: str, path: str, body: object = None) -> httpx.Response:
         return server.request(method, path, body, client_id="limited", secret=secret)
 
     wait_for(
-        lambda: as_limited("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}).status_code == 200  # type: ignore[attr-defined]
+        lambda: as_limited("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}).status_code == 200
     )
-    assert_error(as_limited("POST", "/v1/decrypt/aes256-gcm", {"ciphertext": "x"}), 403, "forbidden")  # type: ignore[arg-type]
-    assert_error(as_limited("POST", "/v1/encrypt/rsa-2048", {"plaintext": ""}), 403, "forbidden")  # type: ignore[arg-type]
-    assert_error(as_limited("POST", "/v1/keys/newkey", {"type": "aes256-gcm"}), 403, "forbidden")  # type: ignore[arg-type]
-    assert_error(as_limited("GET", "/v1/keys/aes256-gcm"), 403, "forbidden")  # type: ignore[arg-type]
-    listed = as_limited("GET", "/v1/keys").json()  # type: ignore[attr-defined]
+    assert_error(
+        as_limited("POST", "/v1/decrypt/aes256-gcm", {"ciphertext": "x"}), 403, "forbidden"
+    )
+    assert_error(as_limited("POST", "/v1/encrypt/rsa-2048", {"plaintext": ""}), 403, "forbidden")
+    assert_error(as_limited("POST", "/v1/keys/newkey", {"type": "aes256-gcm"}), 403, "forbidden")
+    assert_error(as_limited("GET", "/v1/keys/aes256-gcm"), 403, "forbidden")
+    listed = as_limited("GET", "/v1/keys").json()
     assert listed == {"keys": []}  # no "read" permission on any key
     # rewrap into a key the client may not encrypt with is refused, per item in a batch
     token = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}).json()["ciphertext"]
     added = cryptd(
-        "clients", "add", "rewrapper", "--allow", "aes*:rewrap,encrypt", "--file",
+        "clients",
+        "add",
+        "rewrapper",
+        "--allow",
+        "aes*:rewrap,encrypt",
+        "--file",
         str(server.directory / "dev" / "clients.json"),
     )
     secret = base64.b64decode(added.stdout.strip().splitlines()[0])
 
-    def rewrap(body: object) -> object:
+    def rewrap(body: object) -> httpx.Response:
         return server.request(
             "POST", "/v1/rewrap/aes256-gcm", body, client_id="rewrapper", secret=secret
         )
 
-    wait_for(lambda: rewrap({"ciphertext": token}).status_code == 200)  # type: ignore[attr-defined]
-    assert_error(rewrap({"ciphertext": token, "to_key": "sm4-gcm"}), 403, "forbidden")  # type: ignore[arg-type]
+    wait_for(lambda: rewrap({"ciphertext": token}).status_code == 200)
+    assert_error(rewrap({"ciphertext": token, "to_key": "sm4-gcm"}), 403, "forbidden")
     batch = rewrap({"batch": [{"ciphertext": token}, {"ciphertext": token, "to_key": "sm2"}]})
-    results = batch.json()["batch"]  # type: ignore[attr-defined]
+    results = batch.json()["batch"]
     assert "ciphertext" in results[0]
     assert results[1]["error"]["code"] == "forbidden"
 
@@ -107,16 +120,16 @@ def test_keyring_hot_reload_and_bad_file(own_server: Callable[..., Server]) -> N
     before = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": b64(b"old")}).json()
     rotated = cryptd("keys", "rotate", "aes256-gcm", env=env)
     assert rotated.returncode == 0, rotated.stderr
-    wait_for(
-        lambda: server.request("GET", "/v1/keys/aes256-gcm").json()["latest_version"] == 2
-    )
+    wait_for(lambda: server.request("GET", "/v1/keys/aes256-gcm").json()["latest_version"] == 2)
     after = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": b64(b"new")}).json()
     assert after["key_version"] == 2
     # a corrupt keyring (a bad Secret update) keeps the previous keyring serving
     keyring = Path(env["CRYPTD_KEYRING_FILE"])
     good = keyring.read_bytes()
     keyring.write_bytes(good[: len(good) // 2])
-    wait_for(lambda: "last_reload_error" in server.request("GET", "/readyz").json()["checks"]["keyring"])
+    wait_for(
+        lambda: "last_reload_error" in server.request("GET", "/readyz").json()["checks"]["keyring"]
+    )
     ready = server.request("GET", "/readyz")
     assert ready.status_code == 200
     assert ready.json()["status"] == "degraded"
@@ -157,9 +170,7 @@ def test_limits_rate_and_overload(own_server: Callable[..., Server]) -> None:
     )
     # 10 RSA items in chunks of 2 are 5 pool tasks against room for 1: refused at once
     started = time.monotonic()
-    overloaded = server.request(
-        "POST", "/v1/sign/rsa-4096", {"batch": [{"message": ""}] * 10}
-    )
+    overloaded = server.request("POST", "/v1/sign/rsa-4096", {"batch": [{"message": ""}] * 10})
     assert_error(overloaded, 503, "overloaded")
     assert int(overloaded.headers["retry-after"]) >= 1
     assert time.monotonic() - started < 5
@@ -196,16 +207,27 @@ def test_production_refuses_weak_configuration(tmp_path: Path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CRYPTD_")}
     result = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--port", "1"],
-        capture_output=True, text=True, env={**clean, **{k: v for k, v in env.items() if v}},
-        timeout=60, check=False, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**clean, **{k: v for k, v in env.items() if v}},
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
     )
     assert result.returncode != 0
     assert "CRYPTD_MASTER_KEY" in result.stderr
     weak = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--port", "1"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-        env={**clean, "CRYPTD_MASTER_KEY": base64.b64encode(b"\x00" * 32).decode(),
-             "CRYPTD_CLIENTS_FILE": str(tmp_path / "c.json")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+        env={
+            **clean,
+            "CRYPTD_MASTER_KEY": base64.b64encode(b"\x00" * 32).decode(),
+            "CRYPTD_CLIENTS_FILE": str(tmp_path / "c.json"),
+        },
     )
     assert weak.returncode != 0
     assert "entropy" in weak.stderr

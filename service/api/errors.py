@@ -4,6 +4,7 @@ FastAPI's and Starlette's own errors included."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,10 +37,13 @@ def status_for(exc: CryptdError) -> int:
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
 ) -> Response:
     return Response(
-        error_body(code, message), status_code=status, media_type="application/json", headers=headers
+        error_body(code, message),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
     )
 
 

@@ -75,7 +75,9 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
             file=sys.stderr,
         )
     else:
-        print(f"cryptd: using development state in {directory}/ ({credential_path})", file=sys.stderr)
+        print(
+            f"cryptd: using development state in {directory}/ ({credential_path})", file=sys.stderr
+        )
     return created
 
 

@@ -1,4 +1,7 @@
-"""AES-256-GCM and SM4-GCM with 96-bit random nonces. Body layout: nonce(12) || ciphertext || tag(16)."""
+"""AES-256-GCM and SM4-GCM with 96-bit random nonces.
+
+Body layout: nonce(12) || ciphertext || tag(16).
+"""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class InvalidKeyMaterial(CryptoError):
 @dataclass(frozen=True, slots=True)
 class SignOptions:
     """Per-request signing options. ``None`` means "not sent": each key type rejects options
-    that do not apply to it, so a client learns of a mistake instead of silently getting a default."""
+    that do not apply to it, so a client learns of a mistake instead of getting a default."""
 
     algorithm: str | None = None  # RSA: "pss" (default) or "pkcs1v15"
     encoding: str | None = None  # ECDSA and SM2: "der" (default) or "raw" (fixed-length r||s)
@@ -54,7 +54,7 @@ class SignOptions:
                 raise InvalidOptions(f"'{name}' does not apply to this key type")
 
 
-class KeyHandle(ABC):  # noqa: B024 - every method has a refusing default on purpose
+class KeyHandle(ABC):
     """A parsed key version. Methods a type does not support raise UnsupportedOperation."""
 
     type_name: ClassVar[str]

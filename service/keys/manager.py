@@ -18,10 +18,10 @@ from service.errors import Conflict, InvalidRequest, KeyNotFound
 from service.keys.keyring import Key, Keyring, check_key_name
 from service.keys.masterkey import MasterKey
 from service.keys.store import (
+    KeyRecord,
     KeyringDocument,
     KeyringFile,
     KeyringFileError,
-    KeyRecord,
     VersionRecord,
     utc_now,
 )
@@ -123,7 +123,9 @@ class KeyManager:
             self.last_reload_error = None
             return self._keyring
 
-    def _new_version(self, name: str, type_name: str, version: int, material: bytes | None) -> VersionRecord:
+    def _new_version(
+        self, name: str, type_name: str, version: int, material: bytes | None
+    ) -> VersionRecord:
         key_type = KEY_TYPES[type_name]
         if material is None:
             material = key_type.generate()
@@ -174,16 +176,16 @@ class KeyManager:
     ) -> Key:
         check_key_name(name)
         if min_decryption_version is None and deletion_allowed is None:
-            raise InvalidRequest("nothing to change: send min_decryption_version or deletion_allowed")
+            raise InvalidRequest(
+                "nothing to change: send min_decryption_version or deletion_allowed"
+            )
 
         def change(document: KeyringDocument) -> None:
             record = _record(document, name)
             if min_decryption_version is not None:
                 latest = len(record.versions)
                 if not 1 <= min_decryption_version <= latest:
-                    raise InvalidRequest(
-                        f"min_decryption_version must be between 1 and {latest}"
-                    )
+                    raise InvalidRequest(f"min_decryption_version must be between 1 and {latest}")
                 record.min_decryption_version = min_decryption_version
             if deletion_allowed is not None:
                 record.deletion_allowed = deletion_allowed

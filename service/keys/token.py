@@ -55,9 +55,4 @@ def decode(token: str) -> tuple[int, int, bytes]:
 def associated_data(name: str, version: int, type_id: int, aad: bytes) -> bytes:
     """Context bound into every AEAD: all fields before ``aad`` are length-delimited."""
     encoded = name.encode()
-    return (
-        b"cryptd/1"
-        + struct.pack(">BBI", type_id, len(encoded), version)
-        + encoded
-        + aad
-    )
+    return b"cryptd/1" + struct.pack(">BBI", type_id, len(encoded), version) + encoded + aad

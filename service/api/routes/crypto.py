@@ -47,7 +47,7 @@ async def _run(request: Request, op: OpName, key: str) -> Response:
 
     raw_items = document["batch"]
     if len(document) != 1 or not isinstance(raw_items, list):
-        raise InvalidRequest("a batch request is {\"batch\": [item, ...]} and nothing else")
+        raise InvalidRequest('a batch request is {"batch": [item, ...]} and nothing else')
     if not raw_items:
         raise InvalidRequest("batch is empty")
     if len(raw_items) > services.max_batch_items:
@@ -70,12 +70,7 @@ async def _run(request: Request, op: OpName, key: str) -> Response:
     for index, outcome in zip(positions, await services.runner.run(op, key, good), strict=True):
         outcomes[index] = outcome
     return json_response(
-        {
-            "batch": [
-                error_entry(translate(o)) if isinstance(o, Exception) else o
-                for o in outcomes
-            ]
-        }
+        {"batch": [error_entry(translate(o)) if isinstance(o, Exception) else o for o in outcomes]}
     )
 
 
@@ -110,4 +105,4 @@ def _register(op: OpName) -> None:
 
 
 for _op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
-    _register(_op)  # type: ignore[arg-type]
+    _register(_op)
