@@ -11,17 +11,13 @@ from pathlib import Path
 
 import orjson
 
+from service.auth.clients import generate_secret, write_document
 from service.crypto.registry import KEY_TYPES
+from service.fileio import atomic_write
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
 
 DEV_CLIENT_ID = "dev"
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
 
 
 def prepare_dev_dir(directory: Path, url: str) -> bool:
@@ -35,14 +31,14 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
     if created:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         key = secrets.token_bytes(32)
-        _write_private(master_path, base64.b64encode(key) + b"\n")
+        atomic_write(master_path, base64.b64encode(key) + b"\n")
         master = MasterKey(key)
         create_keyring_file(keyring_path, master)
         manager = KeyManager(keyring_path, master)
         manager.load()
         for type_name in KEY_TYPES:
             manager.create(type_name, type_name, deletion_allowed=True)
-        secret = base64.b64encode(secrets.token_bytes(32)).decode()
+        secret = generate_secret()
         clients = {
             "clients": {
                 DEV_CLIENT_ID: {
@@ -52,11 +48,11 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
                 }
             }
         }
-        _write_private(clients_path, orjson.dumps(clients, option=orjson.OPT_INDENT_2))
+        write_document(clients_path, clients)
     else:
         secret = orjson.loads(clients_path.read_bytes())["clients"][DEV_CLIENT_ID]["secret"]
     credential = {"url": url, "client_id": DEV_CLIENT_ID, "secret": secret}
-    _write_private(credential_path, orjson.dumps(credential, option=orjson.OPT_INDENT_2))
+    atomic_write(credential_path, orjson.dumps(credential, option=orjson.OPT_INDENT_2))
     os.environ.update(
         {
             "CRYPTD_ENV": "development",

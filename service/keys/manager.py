@@ -8,13 +8,13 @@ in the new snapshot. A reload that fails keeps the previous snapshot and records
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from service.crypto.registry import KEY_TYPES
 from service.errors import Conflict, InvalidRequest, KeyNotFound
+from service.fileio import FileStamp, file_stamp
 from service.keys.keyring import Key, Keyring, check_key_name
 from service.keys.masterkey import MasterKey
 from service.keys.store import (
@@ -27,16 +27,6 @@ from service.keys.store import (
 )
 
 log = logging.getLogger("cryptd.keyring")
-
-FileStamp = tuple[int, int, int, int]
-
-
-def _stamp(path: Path) -> FileStamp | None:
-    try:
-        st = os.stat(path)  # follows symlinks: a Kubernetes Secret update swaps ..data
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class KeyManager:
@@ -66,14 +56,14 @@ class KeyManager:
     def load(self) -> Keyring:
         """Initial load; raises KeyringFileError so startup fails loudly."""
         with self._lock:
-            self._stamp = _stamp(self.file.path)
+            self._stamp = file_stamp(self.file.path)
             self._keyring = self.file.load(self._master)
             return self._keyring
 
     def reload(self) -> bool:
         """Reload from the file, keeping the previous snapshot if the new file is bad."""
         with self._lock:
-            self._stamp = _stamp(self.file.path)
+            self._stamp = file_stamp(self.file.path)
             try:
                 document, generation = self.file.read()
                 if self._keyring is not None and generation == self._keyring.generation:
@@ -102,7 +92,7 @@ class KeyManager:
 
     def reload_if_changed(self) -> bool:
         """Cheap check for the file watcher: one stat call when nothing changed."""
-        if _stamp(self.file.path) == self._stamp:
+        if file_stamp(self.file.path) == self._stamp:
             return False
         self.reload()
         return True
@@ -119,7 +109,7 @@ class KeyManager:
             change(document)
             generation = self.file.write(document)
             self._keyring = document.build(self._master, generation)
-            self._stamp = _stamp(self.file.path)
+            self._stamp = file_stamp(self.file.path)
             self.last_reload_error = None
             return self._keyring
 

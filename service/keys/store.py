@@ -10,8 +10,6 @@ import base64
 import contextlib
 import fcntl
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,6 +19,7 @@ from typing import Any
 import orjson
 
 from service.crypto.registry import KEY_TYPES
+from service.fileio import atomic_write
 from service.keys.keyring import Key, Keyring, KeyVersion, check_key_name
 from service.keys.masterkey import MasterKey
 
@@ -187,23 +186,5 @@ class KeyringFile:
     def write(self, document: KeyringDocument) -> str:
         """Atomically replace the file; returns the new generation."""
         data = document.to_bytes()
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(self.path, data)
         return generation_of(data)
