@@ -107,7 +107,7 @@ class KeyManager:
             if document.master_key_id != self._master.key_id:
                 raise KeyringFileError("keyring was written under another master key")
             change(document)
-            generation = self.file.write(document)
+            generation = self.file.write(document, self._master)
             self._keyring = document.build(self._master, generation)
             self._stamp = file_stamp(self.file.path)
             self.last_reload_error = None
@@ -204,4 +204,4 @@ def create_keyring_file(path: Path, master: MasterKey) -> None:
     """Write an empty keyring (refuses to overwrite an existing file)."""
     if path.exists():
         raise FileExistsError(f"{path} already exists")
-    KeyringFile(path).write(KeyringDocument(master_key_id=master.key_id))
+    KeyringFile(path).write(KeyringDocument(master_key_id=master.key_id), master)

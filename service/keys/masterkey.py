@@ -18,7 +18,7 @@ class WrongMasterKey(Exception):
 
 
 class MasterKey:
-    __slots__ = ("_aead", "key_id")
+    __slots__ = ("_aead", "_mac_key", "key_id")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != 32:
@@ -26,6 +26,14 @@ class MasterKey:
         self._aead = AesGcm(key)
         # A public fingerprint so a wrong master key is reported clearly, not as 100 bad blobs.
         self.key_id = hmac.new(key, b"cryptd master key id", hashlib.sha256).hexdigest()[:16]
+        self._mac_key = hmac.new(key, b"cryptd keyring mac", hashlib.sha256).digest()
+
+    def mac(self, data: bytes) -> bytes:
+        """Authenticates the keyring's metadata (versions, min_decryption_version, ...)."""
+        return hmac.new(self._mac_key, data, hashlib.sha256).digest()
+
+    def verify_mac(self, data: bytes, tag: bytes) -> bool:
+        return hmac.compare_digest(self.mac(data), tag)
 
     @staticmethod
     def _context(name: str, version: int, type_name: str) -> bytes:

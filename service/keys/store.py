@@ -72,13 +72,28 @@ class KeyringDocument:
 
     master_key_id: str
     keys: dict[str, KeyRecord] = field(default_factory=dict)
+    mac: bytes = b""
 
-    def to_bytes(self) -> bytes:
+    def canonical(self) -> bytes:
+        """What the document MAC covers: everything but the MAC, sorted, compact."""
+        return orjson.dumps(
+            {
+                "format": FILE_FORMAT,
+                "master_key_id": self.master_key_id,
+                "keys": {name: rec.to_json() for name, rec in self.keys.items()},
+            },
+            option=orjson.OPT_SORT_KEYS,
+        )
+
+    def to_bytes(self, master: MasterKey) -> bytes:
+        """Serialise, (re)computing the MAC over the current content."""
+        self.mac = master.mac(self.canonical())
         return orjson.dumps(
             {
                 "format": FILE_FORMAT,
                 "master_key_id": self.master_key_id,
                 "keys": {name: rec.to_json() for name, rec in sorted(self.keys.items())},
+                "mac": base64.b64encode(self.mac).decode(),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -113,7 +128,11 @@ class KeyringDocument:
                     deletion_allowed=bool(rec["deletion_allowed"]),
                     versions=versions,
                 )
-            return cls(master_key_id=str(raw["master_key_id"]), keys=keys)
+            return cls(
+                master_key_id=str(raw["master_key_id"]),
+                keys=keys,
+                mac=base64.b64decode(raw["mac"], validate=True),
+            )
         except KeyringFileError:
             raise
         except Exception as exc:  # any structural problem; never echo file content
@@ -126,6 +145,8 @@ class KeyringDocument:
                 f"keyring was written under master key {self.master_key_id}, "
                 f"this process has {master.key_id}"
             )
+        if not master.verify_mac(self.canonical(), self.mac):
+            raise KeyringFileError("keyring integrity check failed (metadata altered)")
         keys: dict[str, Key] = {}
         for name, rec in self.keys.items():
             key_type = KEY_TYPES[rec.type]
@@ -183,8 +204,8 @@ class KeyringFile:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def write(self, document: KeyringDocument) -> str:
+    def write(self, document: KeyringDocument, master: MasterKey) -> str:
         """Atomically replace the file; returns the new generation."""
-        data = document.to_bytes()
+        data = document.to_bytes(master)
         atomic_write(self.path, data)
         return generation_of(data)

@@ -44,6 +44,9 @@ def decode(token: str) -> tuple[int, int, bytes]:
         data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
         raise DecryptionFailed from None
+    # One token, one spelling: refuse texts whose unused trailing bits are set.
+    if base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii") != text:
+        raise DecryptionFailed
     if len(data) < _HEADER.size:
         raise DecryptionFailed
     fmt, type_id = _HEADER.unpack_from(data)
