@@ -43,7 +43,11 @@ def _executors(
             max_pending=settings.pool_max_pending,
             deadline=settings.pool_deadline,
             initializer=init_worker if kind == "process" else None,
-            initargs=(str(settings.keyring_file), master_key) if kind == "process" else (),
+            initargs=(
+                (str(settings.keyring_file), master_key, settings.key_activation_delay)
+                if kind == "process"
+                else ()
+            ),
             on_queue_wait=on_queue_wait,
         )
     return by_kind
@@ -64,7 +68,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     master_key = settings.load_master_key()
     manager = KeyManager(
-        settings.keyring_file, MasterKey(master_key), read_only=settings.keyring_read_only
+        settings.keyring_file,
+        MasterKey(master_key),
+        read_only=settings.keyring_read_only,
+        activation_delay=settings.key_activation_delay,
     )
     manager.load()
 

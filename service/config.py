@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     keyring_file: Path = Path("keyring.json")
     keyring_reload_interval: float = Field(default=1.0, gt=0)
     keyring_read_only: bool = False
+    # Seconds a new key version waits before encryptions and signatures use it, so that every
+    # replica has reloaded it first (Kubernetes: longer than the kubelet's Secret sync period).
+    key_activation_delay: float = Field(default=0.0, ge=0)
 
     clients_file: Path | None = None
     signature_max_age: int = Field(default=300, ge=1, le=3600)

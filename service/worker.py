@@ -24,10 +24,20 @@ class _WorkerState:
 _state: _WorkerState | None = None
 
 
-def init_worker(keyring_path: str, master_key: bytes, observer: Observer | None = None) -> None:
+def init_worker(
+    keyring_path: str,
+    master_key: bytes,
+    activation_delay: float = 0.0,
+    observer: Observer | None = None,
+) -> None:
     """Pool initializer: load the keyring and cache every parsed key for this process."""
     global _state
-    manager = KeyManager(Path(keyring_path), MasterKey(master_key), read_only=True)
+    manager = KeyManager(
+        Path(keyring_path),
+        MasterKey(master_key),
+        read_only=True,
+        activation_delay=activation_delay,
+    )
     manager.load()
     _state = _WorkerState(manager, observer)
 

@@ -6,8 +6,10 @@ import argparse
 import base64
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import orjson
 
@@ -77,6 +79,10 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
     return created
 
 
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -96,6 +102,9 @@ def serve(args: argparse.Namespace) -> int:
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     settings.load_master_key()
+    # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
+    # exit, so that re-raise ends the process with status 0 instead of 143.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
         "service.app:app_factory",
         factory=True,

@@ -7,8 +7,10 @@ check on a version happens here, before any cipher runs.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import MappingProxyType
 
 from service.crypto.base import KeyHandle, KeyType
@@ -29,6 +31,12 @@ class KeyVersion:
     created_at: str
     handle: KeyHandle = field(repr=False)
 
+    @property
+    def created_ts(self) -> float:
+        return (
+            datetime.strptime(self.created_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Key:
@@ -38,6 +46,19 @@ class Key:
     min_decryption_version: int
     deletion_allowed: bool
     versions: Mapping[int, KeyVersion]
+    activation_delay: float = 0.0
+
+    def active_version(self, now: float | None = None) -> int:
+        """The version new encryptions and signatures use: the newest one older than the
+        activation delay. Replicas reload a rotated keyring at different moments (a Kubernetes
+        Secret reaches each pod within the kubelet's sync period); the delay lets every replica
+        hold a version before any replica writes with it. Decryption accepts every version."""
+        latest = max(self.versions)
+        if self.activation_delay <= 0:
+            return latest
+        cutoff = (time.time() if now is None else now) - self.activation_delay
+        active = [v for v, kv in self.versions.items() if kv.created_ts <= cutoff]
+        return max(active) if active else min(self.versions)
 
     @property
     def latest_version(self) -> int:
@@ -47,7 +68,7 @@ class Key:
         """The version to use: the latest by default. Refuses versions below 1 or below
         ``min_decryption_version`` (400) and versions that do not exist (404)."""
         if requested is None:
-            requested = self.latest_version
+            requested = max(self.active_version(), self.min_decryption_version)
         if requested < 1:
             raise InvalidRequest("key_version must be 1 or more")
         if requested < self.min_decryption_version:

@@ -36,11 +36,13 @@ class KeyManager:
         master: MasterKey,
         *,
         read_only: bool = False,
+        activation_delay: float = 0.0,
         on_reload: Callable[[bool], None] | None = None,
     ) -> None:
         self.file = KeyringFile(path)
         self._master = master
         self._read_only = read_only
+        self._activation_delay = activation_delay
         self._on_reload = on_reload
         self._lock = threading.Lock()  # one mutation or reload at a time in this process
         self._stamp: FileStamp | None = None
@@ -57,7 +59,7 @@ class KeyManager:
         """Initial load; raises KeyringFileError so startup fails loudly."""
         with self._lock:
             self._stamp = file_stamp(self.file.path)
-            self._keyring = self.file.load(self._master)
+            self._keyring = self.file.load(self._master, self._activation_delay)
             return self._keyring
 
     def reload(self) -> bool:
@@ -69,7 +71,7 @@ class KeyManager:
                 if self._keyring is not None and generation == self._keyring.generation:
                     self.last_reload_error = None
                     return True
-                keyring = document.build(self._master, generation)
+                keyring = document.build(self._master, generation, self._activation_delay)
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, KeyringFileError) else type(exc).__name__
                 self.last_reload_error = reason
@@ -108,7 +110,7 @@ class KeyManager:
                 raise KeyringFileError("keyring was written under another master key")
             change(document)
             generation = self.file.write(document, self._master)
-            self._keyring = document.build(self._master, generation)
+            self._keyring = document.build(self._master, generation, self._activation_delay)
             self._stamp = file_stamp(self.file.path)
             self.last_reload_error = None
             return self._keyring

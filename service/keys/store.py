@@ -138,7 +138,7 @@ class KeyringDocument:
         except Exception as exc:  # any structural problem; never echo file content
             raise KeyringFileError(f"malformed keyring file ({type(exc).__name__})") from None
 
-    def build(self, master: MasterKey, generation: str) -> Keyring:
+    def build(self, master: MasterKey, generation: str, activation_delay: float = 0.0) -> Keyring:
         """Unwrap and parse every version: the only place material is decrypted."""
         if self.master_key_id != master.key_id:
             raise KeyringFileError(
@@ -163,6 +163,7 @@ class KeyringDocument:
                 min_decryption_version=rec.min_decryption_version,
                 deletion_allowed=rec.deletion_allowed,
                 versions=versions,
+                activation_delay=activation_delay,
             )
         return Keyring(keys, generation)
 
@@ -184,10 +185,10 @@ class KeyringFile:
             raise KeyringFileError(f"cannot read keyring {self.path}: {exc.strerror}") from None
         return KeyringDocument.from_bytes(data), generation_of(data)
 
-    def load(self, master: MasterKey) -> Keyring:
+    def load(self, master: MasterKey, activation_delay: float = 0.0) -> Keyring:
         document, generation = self.read()
         try:
-            return document.build(master, generation)
+            return document.build(master, generation, activation_delay)
         except KeyringFileError:
             raise
         except Exception as exc:

@@ -1,0 +1,102 @@
+#!/bin/bash
+# Build the Secrets cryptd's manifests reference, from files, as YAML on stdout:
+#
+#   cryptd-master-key  master.key     base64 master key (cryptd master-key generate --out FILE)
+#   cryptd-keyring     keyring.json   keyring, every version wrapped under the master key
+#   cryptd-clients     clients.json   API clients (cryptd clients add ... --file FILE)
+#   cryptd-redis       url            redis://cryptd:PASSWORD@HOST:6379/0, for the cryptd pods
+#                      users.acl      Redis ACL: default user off, user "cryptd" by password hash
+#
+# Nothing is sent to a cluster: `kubectl create secret --dry-run=client -o yaml` only renders.
+# Apply with:  k8s/scripts/make-secrets.sh ARGS | kubectl apply -f -
+# The output holds secret material: pipe it, never commit or log it.
+#
+# The Redis password is read from --redis-password-file; if that file does not exist, a new
+# random password is written there first (mode 0600). Keep it: re-running with a different
+# password changes both sides, and Redis and cryptd only read it at start.
+
+set -euo pipefail
+umask 077
+
+readonly PROG="make-secrets"
+
+usage() {
+    cat >&2 <<EOF
+usage: $0 --master-key FILE --keyring FILE --clients FILE --redis-password-file FILE
+          [--namespace NS] [--redis-host HOST] [--redis-port PORT]
+EOF
+    exit 64
+}
+
+fail() {
+    printf '%s: error: %s\n' "$PROG" "$*" >&2
+    exit 1
+}
+
+namespace=""
+master_key=""
+keyring=""
+clients=""
+redis_password_file=""
+redis_host="cryptd-redis"
+redis_port="6379"
+
+while (($#)); do
+    case "$1" in
+        --master-key) master_key="${2:?}"; shift 2 ;;
+        --keyring) keyring="${2:?}"; shift 2 ;;
+        --clients) clients="${2:?}"; shift 2 ;;
+        --redis-password-file) redis_password_file="${2:?}"; shift 2 ;;
+        -n | --namespace) namespace="${2:?}"; shift 2 ;;
+        --redis-host) redis_host="${2:?}"; shift 2 ;;
+        --redis-port) redis_port="${2:?}"; shift 2 ;;
+        -h | --help) usage ;;
+        *) printf '%s: unknown argument %s\n' "$PROG" "$1" >&2; usage ;;
+    esac
+done
+[[ -n "$master_key" && -n "$keyring" && -n "$clients" && -n "$redis_password_file" ]] || usage
+command -v kubectl > /dev/null || fail "kubectl not found on PATH"
+
+for file in "$master_key" "$keyring" "$clients"; do
+    [[ -f "$file" && -r "$file" && -s "$file" ]] || fail "$file: missing, unreadable or empty"
+done
+# The server refuses anything but 32 bytes; refuse it here, before it reaches a cluster.
+key_bytes=$(tr -d ' \n\r' < "$master_key" | base64 -d 2> /dev/null | wc -c) \
+    || fail "$master_key: not base64"
+[[ "$key_bytes" -eq 32 ]] || fail "$master_key: must decode to 32 bytes"
+
+if [[ ! -e "$redis_password_file" ]]; then
+    # 32 random bytes, base64url without padding: safe inside a URL without escaping.
+    head -c 32 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' > "$redis_password_file"
+    printf '%s: wrote a new Redis password to %s\n' "$PROG" "$redis_password_file" >&2
+fi
+password=$(tr -d '\n' < "$redis_password_file")
+[[ "$password" =~ ^[A-Za-z0-9_-]{32,}$ ]] \
+    || fail "$redis_password_file: want at least 32 characters of [A-Za-z0-9_-]"
+
+work=$(mktemp -d)
+trap 'rm -rf -- "$work"' EXIT
+
+printf 'redis://cryptd:%s@%s:%s/0' "$password" "$redis_host" "$redis_port" > "$work/url"
+password_hash=$(printf '%s' "$password" | sha256sum | cut -d' ' -f1)
+# Only the commands cryptd sends (replay nonces: SET NX EX; rate limit: one Lua script using
+# TIME, HMGET, HSET, PEXPIRE), only on its own key prefix. No admin or dangerous command.
+cat > "$work/users.acl" <<EOF
+user default off
+user cryptd on #$password_hash resetkeys ~cryptd:* resetchannels -@all +ping +echo +select +client|setname +client|getname +client|id +set +get +del +exists +expire +pexpire +ttl +pttl +hmget +hset +time +eval +evalsha +script|load +script|exists
+EOF
+
+ns_args=()
+[[ -n "$namespace" ]] && ns_args=(--namespace "$namespace")
+
+render() {
+    local name="$1"
+    shift
+    printf -- '---\n'
+    kubectl create secret generic "$name" "${ns_args[@]}" "$@" --dry-run=client -o yaml
+}
+
+render cryptd-master-key --from-file=master.key="$master_key"
+render cryptd-keyring --from-file=keyring.json="$keyring"
+render cryptd-clients --from-file=clients.json="$clients"
+render cryptd-redis --from-file=url="$work/url" --from-file=users.acl="$work/users.acl"
