@@ -82,6 +82,9 @@ class Settings(BaseSettings):
             raise ValueError("CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE is required")
         if self.clients_file is None:
             raise ValueError("CRYPTD_CLIENTS_FILE is required outside development")
+        if self.workers > 1 and self.redis_url is None:
+            # Each worker process would keep its own nonces: a replay could land on another.
+            raise ValueError("CRYPTD_WORKERS > 1 needs CRYPTD_REDIS_URL for replay protection")
         if self.replay_fail_open and self.redis_url is None:
             raise ValueError("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
         return self

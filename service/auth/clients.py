@@ -2,8 +2,9 @@
 
 The clients file (``CRYPTD_CLIENTS_FILE``) is JSON::
 
-    {"clients": {"billing": {"secret": "<base64, >= 32 random bytes>", "admin": false,
-                             "allow": [{"keys": "billing-*", "operations": ["encrypt", "decrypt"]}]}}}
+    {"clients": {"billing": {
+        "secret": "<base64, >= 32 random bytes>", "admin": false,
+        "allow": [{"keys": "billing-*", "operations": ["encrypt", "decrypt"]}]}}}
 
 A :class:`ClientRegistry` is an immutable snapshot of one version of that file.
 :class:`ClientsFile` hands out the current snapshot and swaps in a new one when the file
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import fnmatch
 import json
 import logging
@@ -32,9 +34,7 @@ from typing import Any, Final, NoReturn
 
 logger = logging.getLogger("cryptd.auth")
 
-OPERATIONS: Final = frozenset(
-    {"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "read"}
-)
+OPERATIONS: Final = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "read"})
 CLIENT_ID_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MIN_SECRET_BYTES: Final = 32
 SECRET_BYTES: Final = 32  # what generate_secret() makes
@@ -143,7 +143,7 @@ def decode_secret(client_id: str, text: object) -> bytes:
 def parse_allow_rule(client_id: str, raw: object) -> AllowRule:
     if not isinstance(raw, Mapping) or set(raw) != {"keys", "operations"}:
         raise ClientsFileError(
-            f"client {client_id!r}: each 'allow' entry is {{\"keys\": glob, \"operations\": [...]}}"
+            f'client {client_id!r}: each \'allow\' entry is {{"keys": glob, "operations": [...]}}'
         )
     keys, operations = raw["keys"], raw["operations"]
     if not isinstance(keys, str) or not keys:
@@ -307,10 +307,8 @@ def write_document(path: Path, document: Mapping[str, Any]) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:

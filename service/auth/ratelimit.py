@@ -8,6 +8,7 @@ so it degrades rather than failing every request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis.exceptions
 
+from service.auth.redis_client import PipelineBatcher
 from service.errors import RateLimited
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ class MemoryRateLimiter:
 
 # KEYS[1] bucket; ARGV rate, burst. Returns {allowed (0/1), seconds to wait (string)}.
 # Redis's own clock keeps replicas with skewed clocks consistent.
-_TOKEN_BUCKET_LUA: Final = """
+_BUCKET_SCRIPT: Final = """
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local now_parts = redis.call('TIME')
@@ -81,29 +83,37 @@ if tokens >= 1 then
 else
   wait = (1 - tokens) / rate
 end
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'at', string.format('%.6f', now))
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens),
+           'at', string.format('%.6f', now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return {allowed, string.format('%.6f', wait)}
 """
+# Redis names scripts by their SHA-1 (an identifier, not a security function).
+_BUCKET_SHA: Final = hashlib.sha1(_BUCKET_SCRIPT.encode(), usedforsecurity=False).hexdigest()
 
 
 class RedisRateLimiter:
-    """Token buckets shared by every replica through Redis."""
+    """Token buckets shared by every replica through Redis (one EVALSHA per request, sent in
+    the pipelines of a :class:`~service.auth.redis_client.PipelineBatcher`)."""
 
     def __init__(
-        self, client: Redis, rate: float, burst: int = 0, *, prefix: str = KEY_PREFIX
+        self,
+        client: Redis,
+        rate: float,
+        burst: int = 0,
+        *,
+        prefix: str = KEY_PREFIX,
+        batcher: PipelineBatcher | None = None,
     ) -> None:
         self._fallback = MemoryRateLimiter(rate, burst)
         self.rate, self.burst = self._fallback.rate, self._fallback.burst
         self._prefix = prefix
-        self._script = client.register_script(_TOKEN_BUCKET_LUA)
+        self._batcher = batcher or PipelineBatcher(client)
         self._degraded = False
 
     async def acquire(self, client_id: str) -> None:
         try:
-            allowed, wait = await self._script(
-                keys=[self._prefix + client_id], args=[repr(self.rate), self.burst]
-            )
+            allowed, wait = await self._run(self._prefix + client_id)
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
             if not self._degraded:
                 self._degraded = True
@@ -118,3 +128,16 @@ class RedisRateLimiter:
             logger.warning("rate limiter: Redis reachable again")
         if not int(allowed):
             raise RateLimited(retry_after=float(wait))
+
+    async def _run(self, key: str) -> tuple[int, bytes]:
+        command = ("EVALSHA", _BUCKET_SHA, 1, key, repr(self.rate), self.burst)
+        reply = await self._batcher.execute(*command)
+        if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted or flushed
+            loaded = await self._batcher.execute("SCRIPT", "LOAD", _BUCKET_SCRIPT)
+            if isinstance(loaded, Exception):
+                raise loaded
+            reply = await self._batcher.execute(*command)
+        if isinstance(reply, Exception):
+            raise reply
+        allowed, wait = reply
+        return int(allowed), wait

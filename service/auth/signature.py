@@ -1,7 +1,8 @@
 """RFC 9421 HTTP Message Signatures (``hmac-sha256``) and RFC 9530 ``Content-Digest``.
 
 Pure functions: strings and bytes in, a verified signature or an :class:`AuthError` out; no I/O,
-no clock of its own (callers pass ``now``). cryptd signs exactly one shape of request::
+and the verifier has no clock of its own (callers pass ``now``). cryptd signs exactly one shape
+of request::
 
     Content-Digest: sha-256=:<base64 sha256(body)>:
     Signature-Input: sig1=("@method" "@path" "@query" "content-digest" "content-type")
@@ -9,7 +10,10 @@ no clock of its own (callers pass ``now``). cryptd signs exactly one shape of re
     Signature: sig1=:<base64 hmac>:
 
 so the verifier refuses every other shape instead of interpreting it: fewer code paths, no
-component resolution driven by the attacker. Structured fields are parsed with ``http_sfv``.
+component resolution driven by the attacker. Our own canonical spelling is recognised by one
+regular expression (~7 us per verification in all); any other spelling goes through the
+general ``http_sfv`` parser. The generic ``http-message-signatures`` verifier measured ~185 us
+per request here, most of a 200-500 us request, hence this direct implementation.
 """
 
 from __future__ import annotations
@@ -154,20 +158,21 @@ def content_digest(body: bytes) -> str:
     return f"sha-256=:{base64.b64encode(hashlib.sha256(body).digest()).decode('ascii')}:"
 
 
-def check_content_digest(value: str, body: bytes) -> None:
-    """Check a ``Content-Digest`` field against ``body``.
-
-    The sha-256 member is required; a sha-512 member, if present, must match too; members
-    for other algorithms are ignored (RFC 9530 section 2).
-    """
+def parse_content_digest(value: str) -> dict[str, bytes]:
+    """The digests of a ``Content-Digest`` field by algorithm (sha-256 required, sha-512
+    optional; members for other algorithms are ignored, RFC 9530 section 2)."""
     match = _DIGEST_RE.fullmatch(value)
-    if match is not None:
-        digests = {"sha-256": _b64decode(match.group(1))}
-    else:
-        digests = _parse_digest_dictionary(value)
+    digests = {"sha-256": _b64decode(match.group(1))} if match else _parse_digest_dictionary(value)
     for algorithm, expected in digests.items():
         if len(expected) != _DIGEST_SIZES[algorithm]:
             raise AuthError("malformed")
+    return digests
+
+
+def check_content_digest(value: str | dict[str, bytes], body: bytes) -> None:
+    """Check a ``Content-Digest`` field (or its parsed digests) against ``body``."""
+    digests = parse_content_digest(value) if isinstance(value, str) else value
+    for algorithm, expected in digests.items():
         if not hmac.compare_digest(expected, _DIGESTS[algorithm](body)):
             raise AuthError("bad_digest")
 
@@ -326,6 +331,7 @@ def verify_request(
         raise AuthError("missing_header")
 
     parsed = parse_signature(sig_input_field, sig_field)
+    digests = parse_content_digest(digest_field)
     if parsed.created < now - max_age:
         raise AuthError("stale")
     if parsed.created > now + max_age:
@@ -346,7 +352,7 @@ def verify_request(
     if not hmac.compare_digest(expected, parsed.signature) or secret is None:
         raise AuthError("unknown_client" if secret is None else "bad_signature")
     # The digest field is authentic now; the body must match it.
-    check_content_digest(digest_field, body)
+    check_content_digest(digests, body)
     return parsed
 
 

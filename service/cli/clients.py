@@ -25,7 +25,12 @@ from service.auth.clients import (
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("clients", help="manage API clients (the clients file)")
-    parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
     sub = parser.add_subparsers(dest="clients_command", metavar="ACTION")
 
     file_help = "clients file (default: $CRYPTD_CLIENTS_FILE)"

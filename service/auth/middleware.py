@@ -1,0 +1,222 @@
+"""ASGI middleware that authenticates every ``/v1/`` request, and the policy checks routes call.
+
+Order of checks: signature (and body digest) -> replay -> rate limit. A nonce is stored only
+once the signature is valid, so unauthenticated traffic cannot fill the replay store, and a
+request refused for its rate still spent its nonce (a replay of it stays refused).
+
+Nothing here logs a secret, a signature, or the Signature / Signature-Input values; failures
+are logged with their reason only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from service.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
+from service.auth.clients import Client, ClientRegistry
+from service.auth.ratelimit import RateLimiter
+from service.auth.replay import ReplayStore, StoreUnavailable
+from service.auth.signature import SIGNATURE_HEADERS, AuthError, verify_request
+from service.errors import Forbidden, Overloaded, RateLimited, Unauthenticated
+
+logger = logging.getLogger("cryptd.auth")
+
+PROTECTED_PREFIX = "/v1/"
+STATE_KEY = "client"
+_WANTED_HEADERS = {name.encode("ascii"): name for name in SIGNATURE_HEADERS}
+
+
+class SignatureAuthMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        registry_provider: Callable[[], ClientRegistry],
+        replay: ReplayStore,
+        rate_limiter: RateLimiter | None,
+        max_age: int,
+        fail_open: bool,
+        on_failure: Callable[[str], None] | None = None,
+        on_rejection: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``on_failure(reason)`` is called for every 401 (reasons: see
+        :data:`service.auth.signature.Reason`); ``on_rejection(cause)`` for every request
+        refused after authentication: ``"rate_limited"`` (429) or ``"replay_unavailable"``
+        (503). Both are for metrics and must not raise."""
+        self.app = app
+        self.registry_provider = registry_provider
+        self.replay = replay
+        self.rate_limiter = rate_limiter
+        self.max_age = max_age
+        self.fail_open = fail_open
+        self.on_failure = on_failure
+        self.on_rejection = on_rejection
+        self.clock = clock
+        self._store_down = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not _protected(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # the API has none: never let one through unsigned
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = await _read_body(receive)
+        if body is None:  # the client went away
+            return
+        try:
+            client = await self._authenticate(scope, body)
+        except AuthError as exc:
+            logger.info(
+                "request refused: unauthenticated (reason=%s peer=%s)", exc.reason, _peer(scope)
+            )
+            if self.on_failure is not None:
+                self.on_failure(exc.reason)
+            await send_error(send, 401, Unauthenticated.code, Unauthenticated.default_message)
+            return
+        except RateLimited as exc:
+            self._rejected("rate_limited", scope)
+            retry_after = str(max(1, math.ceil(exc.retry_after))).encode()
+            await send_error(send, 429, exc.code, exc.message, [(b"retry-after", retry_after)])
+            return
+        except StoreUnavailable:
+            self._rejected("replay_unavailable", scope)
+            await send_error(
+                send, 503, Overloaded.code, "replay store unavailable", [(b"retry-after", b"1")]
+            )
+            return
+
+        scope.setdefault("state", {})[STATE_KEY] = client
+        await self.app(scope, _replay_body(body, receive), send)
+
+    async def _authenticate(self, scope: Scope, body: bytes) -> Client:
+        registry = self.registry_provider()
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name = _WANTED_HEADERS.get(raw_name.lower())
+            if name is not None:
+                value = raw_value.decode("latin-1").strip(" \t")
+                # Repeated field lines combine with ", " (RFC 9110 section 5.3).
+                headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        raw_path: bytes | None = scope.get("raw_path")
+        try:
+            path = scope["path"] if raw_path is None else raw_path.decode("ascii")
+            query = scope.get("query_string", b"").decode("ascii")
+        except UnicodeDecodeError:
+            raise AuthError("malformed") from None
+        now = self.clock()
+        signed = verify_request(
+            method=scope["method"],
+            path=path,
+            query=query,
+            headers=headers,
+            body=body,
+            secret_for=registry.secret_for,
+            now=now,
+            max_age=self.max_age,
+        )
+        client = registry.get(signed.keyid)
+        if client is None:  # removed between the two lookups by a reload: same answer
+            raise AuthError("unknown_client")
+
+        # Remember the nonce until the signature could no longer pass the created check.
+        ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
+        if not await self._remember(signed.keyid, signed.nonce, ttl):
+            raise AuthError("replayed")
+        if self.rate_limiter is not None:
+            await self.rate_limiter.acquire(client.client_id)
+        return client
+
+    async def _remember(self, keyid: str, nonce: str, ttl: int) -> bool:
+        try:
+            first = await self.replay.remember(keyid, nonce, ttl)
+        except StoreUnavailable as exc:
+            if not self._store_down:
+                self._store_down = True
+                logger.error(
+                    "replay store unavailable (%s); %s",
+                    exc,
+                    "accepting requests WITHOUT replay protection (fail-open)"
+                    if self.fail_open
+                    else "refusing signed requests with 503",
+                )
+            if self.fail_open:
+                return True
+            raise
+        if self._store_down:
+            self._store_down = False
+            logger.warning("replay store reachable again")
+        return first
+
+    def _rejected(self, cause: str, scope: Scope) -> None:
+        logger.info("request refused: %s (peer=%s)", cause, _peer(scope))
+        if self.on_rejection is not None:
+            self.on_rejection(cause)
+
+
+def _protected(scope: Scope) -> bool:
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):  # mounted under a prefix: judge the app's own path
+        path = path[len(root) :]
+    return path.startswith(PROTECTED_PREFIX)
+
+
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "-"
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body (an outer middleware caps its size), or None on disconnect."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the buffered body once, then defers to the server."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+# --------------------------------------------------------------------------------------------
+# Policy checks for the routes
+
+
+def client_from_scope(scope: Scope) -> Client:
+    """The authenticated client of this request (``request.state.client``)."""
+    client = scope.get("state", {}).get(STATE_KEY)
+    if not isinstance(client, Client):
+        # The middleware did not run for this route: refuse rather than run unauthenticated.
+        raise Unauthenticated()
+    return client
+
+
+def authorize(client: Client, key: str, operation: str) -> None:
+    """Raise :class:`~service.errors.Forbidden` unless ``client`` may ``operation`` on ``key``."""
+    if not client.allows(key, operation):
+        raise Forbidden()
+
+
+def require_admin(client: Client) -> None:
+    """Raise :class:`~service.errors.Forbidden` unless ``client`` may manage keys."""
+    if not client.admin:
+        raise Forbidden()

@@ -1,0 +1,51 @@
+"""Build the authentication parts from :class:`~service.config.Settings` (used by the app)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.auth.clients import ClientsFile
+from service.auth.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from service.auth.redis_client import close, connect
+from service.auth.replay import MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.config import Settings
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+
+@dataclass
+class AuthParts:
+    """What :class:`~service.auth.middleware.SignatureAuthMiddleware` needs, plus the Redis
+    client to close at shutdown."""
+
+    clients: ClientsFile
+    replay: ReplayStore
+    rate_limiter: RateLimiter | None
+    redis: Redis | None
+
+    async def aclose(self) -> None:
+        if self.redis is not None:
+            await close(self.redis)
+
+
+def build_auth(settings: Settings, clients_file: Path | None = None) -> AuthParts:
+    """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set, else in
+    memory. ``clients_file`` overrides ``settings.clients_file`` (the development setup
+    writes its own)."""
+    path = clients_file or settings.clients_file
+    if path is None:
+        raise ValueError("CRYPTD_CLIENTS_FILE is not set")
+    redis = connect(settings.redis_url) if settings.redis_url else None
+    replay: ReplayStore = MemoryReplayStore() if redis is None else RedisReplayStore(redis)
+    rate_limiter: RateLimiter | None = None
+    if settings.rate_limit_per_second > 0:
+        rate, burst = settings.rate_limit_per_second, settings.rate_limit_burst
+        rate_limiter = (
+            MemoryRateLimiter(rate, burst)
+            if redis is None
+            else RedisRateLimiter(redis, rate, burst)
+        )
+    return AuthParts(ClientsFile(path), replay, rate_limiter, redis)

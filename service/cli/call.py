@@ -1,0 +1,178 @@
+"""``cryptd call <op> [key]``: call a running cryptd with a signed request, print JSON."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from service.client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
+
+OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey")
+KEY_COMMANDS = ("keys", "key", "create", "rotate")
+# Operations that read their input (plaintext, ciphertext, message) from --data/--data-file/stdin.
+_WITH_INPUT = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap"})
+
+
+def default_credential() -> Path:
+    return Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev")) / "client.json"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "call",
+        help="call a running cryptd (signed request) and print the JSON result",
+        description="Input (plaintext, ciphertext token, message) comes from --data, "
+        "--data-file or stdin. Binary output is base64. 'verify' exits 1 when the signature "
+        "is not valid; API errors are printed to stderr as JSON with exit status 1.",
+    )
+    parser.add_argument("op", choices=OPERATIONS + KEY_COMMANDS, help="operation")
+    parser.add_argument("key", nargs="?", help="key name (all operations but 'keys')")
+    parser.add_argument(
+        "--credential",
+        type=Path,
+        help="credential JSON {url, client_id, secret} "
+        "(default: $CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
+    )
+    parser.add_argument("--url", help="override the URL of the credential file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", help="input as text (UTF-8)")
+    source.add_argument("--data-file", type=Path, help="input from a file (bytes)")
+    parser.add_argument(
+        "--base64", action="store_true", help="the input is base64: decode it first"
+    )
+    parser.add_argument("--aad", help="associated data (UTF-8 text)")
+    parser.add_argument("--key-version", type=int)
+    parser.add_argument("--format", help="decrypt: external ciphertext format (input is bytes)")
+    parser.add_argument("--digest", help="sign/verify: the digest, hex, instead of a message")
+    parser.add_argument("--signature", help="verify: the signature, base64")
+    parser.add_argument("--algorithm", help="sign/verify: pss | pkcs1v15 (RSA)")
+    parser.add_argument("--signer-id", help="sign/verify: SM2 signer ID")
+    parser.add_argument("--encoding", help="sign/verify: der | raw (ECDSA, SM2)")
+    parser.add_argument("--to-key", help="rewrap: re-encrypt under this key")
+    parser.add_argument("--bits", type=int, default=256, help="datakey: 128 or 256")
+    parser.add_argument("--type", help="create: key type, e.g. aes256-gcm")
+    parser.add_argument("--deletion-allowed", action="store_true", help="create: may be deleted")
+    parser.add_argument(
+        "--raw", action="store_true", help="decrypt: write the plaintext bytes, not JSON"
+    )
+    parser.set_defaults(func=_call)
+
+
+def _read_input(args: argparse.Namespace) -> bytes:
+    if args.data is not None:
+        data: bytes = args.data.encode("utf-8")
+    elif args.data_file is not None:
+        data = Path(args.data_file).read_bytes()
+    else:
+        data = sys.stdin.buffer.read()
+    if args.base64:
+        try:
+            data = base64.b64decode(data, validate=False)
+        except binascii.Error:
+            raise ValueError("input is not valid base64") from None
+    return data
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _metadata(meta: KeyMetadata) -> dict[str, Any]:
+    return dict(meta.raw)
+
+
+def _sign_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "digest": bytes.fromhex(args.digest) if args.digest else None,
+        "algorithm": args.algorithm,
+        "signer_id": args.signer_id,
+        "encoding": args.encoding,
+        "key_version": args.key_version,
+    }
+
+
+def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
+    """Run the operation; return (JSON-able result, exit status)."""
+    op: str = args.op
+    key: str = args.key
+    aad = args.aad.encode("utf-8") if args.aad is not None else None
+    # sign / verify with --digest send no message, so they read no input.
+    needs_input = op in _WITH_INPUT and not (op in ("sign", "verify") and args.digest)
+    data = _read_input(args) if needs_input else b""
+    if op == "encrypt":
+        enc = client.encrypt(key, data, aad=aad, key_version=args.key_version)
+        return {"ciphertext": enc.ciphertext, "key_version": enc.key_version}, 0
+    if op == "decrypt":
+        ciphertext: str | bytes = data if args.format else data.decode("ascii").strip()
+        dec = client.decrypt(
+            key, ciphertext, aad=aad, format=args.format, key_version=args.key_version
+        )
+        if args.raw:
+            sys.stdout.buffer.write(dec.plaintext)
+            sys.stdout.buffer.flush()
+            return None, 0
+        return {"plaintext": _b64(dec.plaintext), "key_version": dec.key_version}, 0
+    if op == "sign":
+        signed = client.sign(key, None if args.digest else data, **_sign_options(args))
+        return {"signature": _b64(signed.signature), "key_version": signed.key_version}, 0
+    if op == "verify":
+        if not args.signature:
+            raise ValueError("verify needs --signature (base64)")
+        valid = client.verify(
+            key,
+            None if args.digest else data,
+            signature=base64.b64decode(args.signature, validate=True),
+            **_sign_options(args),
+        )
+        return {"valid": valid}, 0 if valid else 1
+    if op == "rewrap":
+        token = data.decode("ascii").strip()
+        rewrapped = client.rewrap(key, token, aad=aad, to_key=args.to_key)
+        return {"ciphertext": rewrapped.ciphertext, "key_version": rewrapped.key_version}, 0
+    if op == "datakey":
+        dk = client.datakey(key, bits=args.bits, aad=aad)
+        result = {"plaintext": _b64(dk.plaintext), "ciphertext": dk.ciphertext}
+        return {**result, "key_version": dk.key_version}, 0
+    if op == "keys":
+        return {"keys": [_metadata(m) for m in client.list_keys()]}, 0
+    if op == "key":
+        return _metadata(client.get_key(key)), 0
+    if op == "create":
+        if not args.type:
+            raise ValueError("create needs --type")
+        return _metadata(client.create_key(key, args.type, args.deletion_allowed)), 0
+    if op == "rotate":
+        return _metadata(client.rotate_key(key)), 0
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def _call(args: argparse.Namespace) -> int:
+    if args.op != "keys" and not args.key:
+        raise ValueError(f"'{args.op}' needs a key name")
+    credential = Path(args.credential) if args.credential else default_credential()
+    data = json.loads(credential.read_text(encoding="utf-8"))
+    url = args.url or data["url"]
+    try:
+        with CryptdClient(url, data["client_id"], data["secret"]) as client:
+            result, status = _execute(client, args)
+    except CryptdAPIError as exc:
+        error = {
+            "status": exc.status,
+            "code": exc.code,
+            "message": exc.message,
+            "request_id": exc.request_id,
+        }
+        print(json.dumps({"error": error}), file=sys.stderr)
+        return 1
+    except CryptdConnectionError as exc:
+        print(f"cryptd: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(json.dumps(result, indent=2))
+    return status
