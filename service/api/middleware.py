@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable
 
 from service.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
 
@@ -58,10 +59,16 @@ class BodyLimitMiddleware:
 
     The body is buffered (every route needs all of it: signature check, JSON) and replayed."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, on_reject: object = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.on_reject = on_reject if callable(on_reject) else None
+        self.on_reject = on_reject
 
     async def _too_large(self, send: Send) -> None:
         if self.on_reject is not None:
@@ -103,7 +110,6 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        scope.setdefault("state", {})["body"] = body
         delivered = False
 
         async def replay() -> Message:

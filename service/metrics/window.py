@@ -1,10 +1,10 @@
 """Sliding-window latency quantiles that stay correct when merged across processes.
 
 A quantile cannot be averaged: the P99 of two processes is not the mean of their P99s. Each
-process therefore records into DDSketch bins (relative accuracy 1 %), which are *mergeable*:
-adding two sketches' bin counts gives exactly the sketch of the union of their observations, so
-the quantile read from the merged sketch is within 1 % of a true quantile of all processes'
-observations together.
+process therefore counts its observations in DDSketch bins (logarithmic mapping, relative
+accuracy 1 %). Such sketches are *mergeable*: adding two sketches' bin counts gives exactly the
+sketch of the union of their observations, so the quantile read from the merged sketch is within
+1 % of a true quantile of all processes' observations together.
 
 Time is cut into slots (default 12 x 5 s) aligned to wall-clock multiples of the slot length,
 so every process cuts it the same way; a window is the current, partial slot plus the
@@ -13,6 +13,8 @@ so every process cuts it the same way; a window is the current, partial slot plu
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
 import threading
 import time
@@ -24,8 +26,11 @@ from ddsketch.ddsketch import BaseDDSketch
 from ddsketch.mapping import LogarithmicMapping
 from ddsketch.store import DenseStore
 
+log = logging.getLogger("cryptd.metrics")
+
 RELATIVE_ACCURACY = 0.01
 DEFAULT_SLOTS = 12
+FOLD_BATCH = 256
 FORMAT_VERSION = 1
 
 # A latency of zero (or a clock hiccup below it) is recorded as one nanosecond: every value then
@@ -34,6 +39,9 @@ _SMALLEST_VALUE = 1e-9
 
 SeriesKey = tuple[str, str, str]
 """(family, label_a, label_b): ("http", route, method) or ("crypto", operation, key_type)."""
+
+Bins = dict[int, float]
+"""DDSketch bin key -> count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +52,16 @@ class SeriesWindow:
     quantiles: Mapping[float, float]
 
 
-class SlidingWindow:
-    """One process's ring of time slots, each holding one DDSketch store per series.
+def bin_multiplier(mapping: LogarithmicMapping) -> float:
+    """``key(v) = ceil(log2(v) * multiplier)``, exactly as LogarithmicMapping computes it
+    (``1 / log1p(gamma - 1) * ln 2``, offset 0), without a method call per observation."""
+    return 1 / math.log1p(mapping.gamma - 1) * math.log(2)
 
-    Thread-safe: the event loop, executor threads and the publishing thread all touch it.
+
+class SlidingWindow:
+    """One process's ring of time slots, each holding DDSketch bins per series.
+
+    Thread-safe: the event loop, executor threads and the publishing thread all use it.
     """
 
     def __init__(
@@ -62,32 +76,56 @@ class SlidingWindow:
         self.slots = slots
         self.slot_seconds = self.window_seconds / slots
         self.mapping = LogarithmicMapping(relative_accuracy)
-        self._key = self.mapping.key
+        self._multiplier = bin_multiplier(self.mapping)
         self._lock = threading.Lock()
-        self._ring: dict[int, dict[SeriesKey, DenseStore]] = {}
+        self._pending: collections.deque[tuple[SeriesKey, float, float, float]] = (
+            collections.deque()
+        )
+        self._ring: dict[int, dict[SeriesKey, Bins]] = {}
         self._current_slot = -1
-        self._current: dict[SeriesKey, DenseStore] = {}
         self.changed = False
         """Set by every add(); cleared by whoever publishes the window (under no lock: a lost
         race only delays a publication until the next add or the next interval)."""
 
     def add(self, series: SeriesKey, value: float, weight: float = 1.0) -> None:
-        slot = int(time.time() // self.slot_seconds)
-        key = self._key(value if value > _SMALLEST_VALUE else _SMALLEST_VALUE)
-        with self._lock:
-            # A clock stepping backwards keeps filling the newest slot rather than reopening
-            # an old one.
-            if slot > self._current_slot:
-                self._advance(slot)
-            store = self._current.get(series)
-            if store is None:
-                store = self._current[series] = DenseStore()
-            store.add(key, weight)
+        """Queue one observation (``weight`` identical ones); folded in batches of FOLD_BATCH.
+
+        The request path only appends a tuple: binning there costs several times more than in
+        a tight loop later, where the code and data stay in the CPU caches.
+        """
+        pending = self._pending
+        pending.append((series, value, weight, time.time()))
         self.changed = True
+        if len(pending) >= FOLD_BATCH:
+            self.fold()
+
+    def fold(self) -> None:
+        """Move queued observations into their slot's bins (deque pops are atomic and one
+        thread folds at a time, so any thread may call it)."""
+        pending = self._pending
+        log2, ceil, multiplier = math.log2, math.ceil, self._multiplier
+        slot_seconds = self.slot_seconds
+        with self._lock:
+            ring = self._ring
+            while pending:
+                series, value, weight, when = pending.popleft()
+                slot = int(when // slot_seconds)
+                if slot > self._current_slot:
+                    self._advance(slot)
+                elif slot <= self._current_slot - self.slots:
+                    continue  # it left the window while queued
+                stores = ring.get(slot)
+                if stores is None:
+                    stores = ring[slot] = {}
+                bins = stores.get(series)
+                if bins is None:
+                    bins = stores[series] = {}
+                key = ceil(log2(value if value > _SMALLEST_VALUE else _SMALLEST_VALUE) * multiplier)
+                bins[key] = bins.get(key, 0.0) + weight
 
     def _advance(self, slot: int) -> None:
         self._current_slot = slot
-        self._current = self._ring[slot] = {}
+        self._ring[slot] = {}
         oldest = slot - self.slots
         for stale in [s for s in self._ring if s <= oldest]:
             del self._ring[stale]
@@ -95,26 +133,21 @@ class SlidingWindow:
     def reset(self) -> None:
         """Forget everything (a forked child must not publish its parent's observations)."""
         self._lock = threading.Lock()
+        self._pending = collections.deque()
         self._ring = {}
         self._current_slot = -1
-        self._current = {}
         self.changed = False
 
     def snapshot(self) -> bytes:
         """Serialize the slots that are still inside the window (see :func:`decode`)."""
+        self.fold()
         first = int(time.time() // self.slot_seconds) - self.slots + 1
-        slots: list[list[object]] = []
         with self._lock:
-            for slot, stores in self._ring.items():
-                if slot < first:
-                    continue
-                series = [
-                    [*name, store.min_key, store.bins[store.min_key - store.offset :
-                                                      store.max_key - store.offset + 1]]
-                    for name, store in stores.items()
-                    if store.count > 0
-                ]
-                slots.append([slot, series])
+            slots = [
+                [slot, [[*name, list(bins.items())] for name, bins in stores.items()]]
+                for slot, stores in self._ring.items()
+                if slot >= first
+            ]
         return orjson.dumps(
             {
                 "format": FORMAT_VERSION,
@@ -126,27 +159,30 @@ class SlidingWindow:
 
 
 @dataclass(frozen=True, slots=True)
-class _Decoded:
+class Decoded:
     slot_seconds: float
     gamma: float
-    slots: list[tuple[int, list[tuple[SeriesKey, int, list[float]]]]]
+    slots: list[tuple[int, list[tuple[SeriesKey, list[tuple[int, float]]]]]]
 
 
-def decode(blob: bytes) -> _Decoded:
+def decode(blob: bytes) -> Decoded:
     """Parse a :meth:`SlidingWindow.snapshot`; raises ValueError on anything unexpected."""
     try:
         document = orjson.loads(blob)
         if document["format"] != FORMAT_VERSION:
             raise ValueError(f"unknown window format {document['format']!r}")
-        slots: list[tuple[int, list[tuple[SeriesKey, int, list[float]]]]] = []
-        for slot, series in document["slots"]:
-            entries = [
-                ((str(f), str(a), str(b)), int(first), [float(c) for c in counts])
-                for f, a, b, first, counts in series
-            ]
-            slots.append((int(slot), entries))
-        return _Decoded(float(document["slot_seconds"]), float(document["gamma"]), slots)
-    except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
+        slots = [
+            (
+                int(slot),
+                [
+                    ((str(f), str(a), str(b)), [(int(k), float(c)) for k, c in bins])
+                    for f, a, b, bins in series
+                ],
+            )
+            for slot, series in document["slots"]
+        ]
+        return Decoded(float(document["slot_seconds"]), float(document["gamma"]), slots)
+    except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
         raise ValueError(f"malformed window snapshot: {type(exc).__name__}") from None
 
 
@@ -162,14 +198,18 @@ def merge(
     """Merge every snapshot's in-window slots and read the quantiles of each series.
 
     Snapshots made with another slot length or accuracy cannot be merged bin by bin and are
-    skipped (a configuration mismatch between processes, reported by the caller's count).
+    skipped, as are malformed ones (logged).
     """
     mapping = LogarithmicMapping(relative_accuracy)
     slot_seconds = window_seconds / slots
     first = int((time.time() if now is None else now) // slot_seconds) - slots + 1
-    bins: dict[SeriesKey, dict[int, float]] = {}
+    merged: dict[SeriesKey, Bins] = {}
     for blob in snapshots:
-        decoded = decode(blob)
+        try:
+            decoded = decode(blob)
+        except ValueError:
+            log.warning("skipped a malformed latency window snapshot")
+            continue
         if not (
             math.isclose(decoded.slot_seconds, slot_seconds)
             and math.isclose(decoded.gamma, mapping.gamma)
@@ -178,18 +218,26 @@ def merge(
         for slot, entries in decoded.slots:
             if slot < first:
                 continue
-            for name, first_key, counts in entries:
-                target = bins.setdefault(name, {})
-                for offset, count in enumerate(counts):
-                    if count:
-                        key = first_key + offset
-                        target[key] = target.get(key, 0.0) + count
-    result: dict[SeriesKey, SeriesWindow] = {}
-    for name, counts_by_key in bins.items():
-        store = DenseStore()
-        for key in sorted(counts_by_key):
-            store.add(key, counts_by_key[key])
-        sketch = BaseDDSketch(mapping, store, DenseStore(), 0.0)
-        values = {q: float(sketch.get_quantile_value(q)) for q in quantiles}
-        result[name] = SeriesWindow(count=store.count, quantiles=values)
-    return result
+            for name, bins in entries:
+                target = merged.setdefault(name, {})
+                for key, count in bins:
+                    target[key] = target.get(key, 0.0) + count
+    return {name: _summarize(mapping, bins, quantiles) for name, bins in merged.items() if bins}
+
+
+def _summarize(mapping: LogarithmicMapping, bins: Bins, quantiles: Sequence[float]) -> SeriesWindow:
+    store = DenseStore()
+    keys = sorted(bins)
+    # Size the store for the whole key range first: growing it one key at a time re-centres
+    # (copies) its bins on every step.
+    store.add(keys[0], 0.0)
+    store.add(keys[-1], 0.0)
+    for key in keys:
+        store.add(key, bins[key])
+    sketch = BaseDDSketch(mapping, store, DenseStore(), 0.0)
+    values: dict[float, float] = {}
+    for q in quantiles:
+        value = sketch.get_quantile_value(q)
+        if value is not None:
+            values[q] = float(value)
+    return SeriesWindow(count=store.count, quantiles=values)

@@ -1,0 +1,86 @@
+"""Executors for work that must not stall the event loop, with backpressure and deadlines.
+
+Generic: nothing here knows about keys or HTTP. ``make_executor`` builds one of three kinds —
+``inline`` (on the loop), ``thread`` (a thread pool, for code that releases the GIL) or
+``process`` (worker processes that survive each other's death). See docs/EXECUTORS.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from service.pool.base import (
+    EXECUTOR_KINDS,
+    Executor,
+    ExecutorKind,
+    P,
+    PoolStats,
+    QueueWaitObserver,
+    T,
+    WorkerStartError,
+)
+from service.pool.inline import InlineExecutor
+from service.pool.process import ProcessExecutor
+from service.pool.thread import ThreadExecutor
+
+__all__ = [
+    "EXECUTOR_KINDS",
+    "Executor",
+    "ExecutorKind",
+    "InlineExecutor",
+    "PoolStats",
+    "ProcessExecutor",
+    "QueueWaitObserver",
+    "ThreadExecutor",
+    "WorkerStartError",
+    "make_executor",
+    "run_in_pool",
+]
+
+
+def make_executor(
+    kind: ExecutorKind,
+    *,
+    workers: int,
+    max_pending: int,
+    deadline: float,
+    initializer: Callable[..., object] | None = None,
+    initargs: tuple[Any, ...] = (),
+    on_queue_wait: QueueWaitObserver | None = None,
+) -> Executor:
+    """Build an executor; call ``await executor.start()`` before use, ``close()`` after."""
+    if kind == "inline":
+        return InlineExecutor(
+            max_pending=max_pending,
+            deadline=deadline,
+            initializer=initializer,
+            initargs=initargs,
+            on_queue_wait=on_queue_wait,
+        )
+    if kind == "thread":
+        return ThreadExecutor(
+            workers=workers,
+            max_pending=max_pending,
+            deadline=deadline,
+            initializer=initializer,
+            initargs=initargs,
+            on_queue_wait=on_queue_wait,
+        )
+    if kind == "process":
+        return ProcessExecutor(
+            workers=workers,
+            max_pending=max_pending,
+            deadline=deadline,
+            initializer=initializer,
+            initargs=initargs,
+            on_queue_wait=on_queue_wait,
+        )
+    raise ValueError(f"unknown executor kind {kind!r}; expected one of {EXECUTOR_KINDS}")
+
+
+async def run_in_pool(
+    executor: Executor, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``await run_in_pool(pool, sign, key_id, items)`` reads like Starlette's run_in_threadpool."""
+    return await executor.run(fn, *args, **kwargs)

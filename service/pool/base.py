@@ -17,6 +17,9 @@ EXECUTOR_KINDS: tuple[ExecutorKind, ...] = ("inline", "thread", "process")
 P = ParamSpec("P")
 T = TypeVar("T")
 
+Call = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
+"""A function call as data: (fn, args, kwargs)."""
+
 QueueWaitObserver = Callable[[float], None]
 """Called with the seconds a task waited in the queue before a worker started it."""
 
@@ -50,7 +53,7 @@ class PoolStats:
     rejected_total: int = 0
     """run() calls refused at once: queue full or executor closing."""
     expired_total: int = 0
-    """Tasks whose caller got Overloaded at the deadline (dropped unstarted, or result discarded)."""
+    """Tasks whose caller got Overloaded at the deadline (dropped unstarted or result discarded)."""
 
 
 class Executor(Protocol):
@@ -87,5 +90,5 @@ class Executor(Protocol):
 
     def stats(self) -> PoolStats: ...
 
-    async def close(self, timeout: float = 30.0) -> None:
+    async def close(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109 (a drain budget)
         """Refuse new work, drain queued and running tasks (up to ``timeout``), stop workers."""

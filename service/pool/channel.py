@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 from service.pool.wire import HEADER, Kind, ProtocolError, header, parse_header
 
@@ -59,12 +60,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     # -- asyncio.BufferedProtocol -----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        self._transport = transport
+        # A Unix stream transport (uvloop's does not subclass asyncio.WriteTransport).
+        self._transport = writer = cast(asyncio.WriteTransport, transport)
         if self.closed:
-            transport.close()
+            writer.close()
         elif self._outbox:
-            transport.writelines(self._outbox)
+            writer.writelines(self._outbox)
         self._outbox = []
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -128,8 +128,9 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
     async def _start_workers(self) -> None: ...
 
     @abstractmethod
-    async def _stop_workers(self) -> None:
-        """Stop every worker. Jobs still running when this is called have already been failed."""
+    async def _stop_workers(self, *, drained: bool) -> None:
+        """Stop every worker. ``drained`` is false when close() timed out: jobs still running
+        have been failed already and nobody waits for them."""
 
     # -- public interface ---------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
             expired_total=self._expired_total,
         )
 
-    async def close(self, timeout: float = 30.0) -> None:
+    async def close(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109 (the interface's)
         if self._lifecycle is Lifecycle.NEW:
             self._lifecycle = Lifecycle.CLOSED
             return
@@ -183,10 +184,12 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
         self._closed = asyncio.Event()
         self._drained = loop.create_future()
         self._settle()
+        drained = True
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._drained)
         except TimeoutError:
+            drained = False
             log.warning(
                 "executor close: %d queued and %d running tasks not drained in %.1f s",
                 len(self._pending),
@@ -195,7 +198,7 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
             )
         self._fail_leftovers()
         try:
-            await self._stop_workers()
+            await self._stop_workers(drained=drained)
         finally:
             self._lifecycle = Lifecycle.CLOSED
             self._closed.set()
@@ -220,7 +223,9 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
         payload = self._encode(fn, args, kwargs)
         loop = self._running_loop()
         now = loop.time()
-        job: Job[PayloadT] = Job(next(self._ids), payload, loop.create_future(), now, now + deadline)
+        job: Job[PayloadT] = Job(
+            next(self._ids), payload, loop.create_future(), now, now + deadline
+        )
         timer = loop.call_at(job.expires_at, self._expire, job)
         self._pending[job.id] = job
         self._pump()
@@ -261,9 +266,7 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
     # -- moving jobs ----------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Start queued jobs while workers are idle."""
-        if not self._pending:
-            return
+        """Start queued jobs while workers are idle; then see whether close() may finish."""
         loop = self._running_loop()
         while self._pending and self._has_idle_worker():
             _, job = self._pending.popitem(last=False)
@@ -343,9 +346,9 @@ class QueuedExecutor(ABC, Generic[PayloadT]):
                 job.future.set_exception(Overloaded("service is shutting down", retry_after=1.0))
 
     def _settle(self) -> None:
-        if self._drained is not None and not self._drained.done():
-            if not self._pending and not self._active:
-                self._drained.set_result(None)
+        drained = self._drained
+        if drained is not None and not drained.done() and not self._pending and not self._active:
+            drained.set_result(None)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -8,19 +8,17 @@ one is idle, so "started" means a thread really began it and the deadline rule h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from service.pool.base import ExecutorKind, QueueWaitObserver, WorkerStartError
-from service.pool.queued import Job, QueuedExecutor, as_task_error
+from service.pool.base import Call, ExecutorKind, QueueWaitObserver, WorkerStartError
+from service.pool.queued import Job, Lifecycle, QueuedExecutor, as_task_error
 
-Call = tuple[Callable[..., object], tuple[object, ...], dict[str, object]]
 # What a thread takes: the call and what to do with its outcome (on the loop); None = stop.
 _Item = tuple[Call, Callable[[object, BaseException | None], None]] | None
-
-_STOP_POLL = 0.01
 
 
 class ThreadExecutor(QueuedExecutor[Call]):
@@ -46,6 +44,8 @@ class ThreadExecutor(QueuedExecutor[Call]):
         self._name = name
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._live_threads = 0
+        self._all_stopped = asyncio.Event()
         self._side_calls = 0  # broadcast/initializer calls occupying a thread
 
     @property
@@ -54,6 +54,10 @@ class ThreadExecutor(QueuedExecutor[Call]):
 
     async def broadcast(self, fn: Callable[[], object]) -> None:
         """Threads share one process: ``fn`` runs once, on a pool thread."""
+        if self._lifecycle is not Lifecycle.RUNNING:
+            if self._lifecycle in (Lifecycle.NEW, Lifecycle.STARTING):
+                raise RuntimeError("executor not started")
+            return  # closing: nothing left to update
         await self._side_call(fn)
 
     # -- QueuedExecutor hooks -----------------------------------------------------------------
@@ -81,37 +85,40 @@ class ThreadExecutor(QueuedExecutor[Call]):
         for index in range(self._workers):
             thread = threading.Thread(
                 target=_thread_main,
-                args=(self._queue, loop),
+                args=(self._queue, loop, self._thread_stopped),
                 name=f"{self._name}-{index}",
                 daemon=True,  # a task stuck in C code must not keep the interpreter alive
             )
             thread.start()
             self._threads.append(thread)
+            self._live_threads += 1
         if self._initializer is None:
             return
         initializer, initargs = self._initializer, self._initargs
         try:
             await self._side_call(lambda: initializer(*initargs))
         except Exception as exc:
-            await self._stop_workers()
+            await self._stop_workers(drained=True)
             raise WorkerStartError(f"pool initializer failed ({type(exc).__name__})") from None
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self, *, drained: bool) -> None:
         for _ in self._threads:
             self._queue.put(None)
-        # Threads are idle after a drain; one stuck in C code after a timed-out close is left
-        # behind (daemon) rather than blocking the loop.
-        for thread in self._threads:
-            while thread.is_alive() and not self._threads_abandoned():
-                await asyncio.sleep(_STOP_POLL)
-            if not thread.is_alive():
-                thread.join()
+        if drained and self._side_calls == 0:
+            # Every thread is idle: each takes its None and exits at once.
+            await self._all_stopped.wait()
+            for thread in self._threads:
+                thread.join()  # past its last line already: returns at once
+            self._threads = []
+            return
+        # close() timed out: a thread still in C code runs a task nobody waits for; it is a
+        # daemon thread and exits after that task, without blocking the loop here.
         self._threads = [t for t in self._threads if t.is_alive()]
 
-    def _threads_abandoned(self) -> bool:
-        # After a timed-out drain _fail_leftovers emptied _active; a thread still busy then is
-        # running a task nobody waits for: do not wait for it either.
-        return not self._active and self._drained is not None and not self._drained.done()
+    def _thread_stopped(self) -> None:
+        self._live_threads -= 1
+        if self._live_threads == 0:
+            self._all_stopped.set()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -139,7 +146,19 @@ class ThreadExecutor(QueuedExecutor[Call]):
         await done
 
 
-def _thread_main(items: queue.SimpleQueue[_Item], loop: asyncio.AbstractEventLoop) -> None:
+def _thread_main(
+    items: queue.SimpleQueue[_Item],
+    loop: asyncio.AbstractEventLoop,
+    on_stop: Callable[[], None],
+) -> None:
+    try:
+        _serve(items, loop)
+    finally:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(on_stop)
+
+
+def _serve(items: queue.SimpleQueue[_Item], loop: asyncio.AbstractEventLoop) -> None:
     while (item := items.get()) is not None:
         (fn, args, kwargs), report = item
         result: object = None

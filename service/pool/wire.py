@@ -41,6 +41,12 @@ def dumps(obj: object) -> bytes:
     return pickle.dumps(obj, protocol=PICKLE_PROTOCOL)
 
 
+def loads(data: bytes | bytearray | memoryview) -> object:
+    # Both ends are this service: a worker and its parent over a private socketpair that no
+    # other process holds. Nothing from a client is ever unpickled.
+    return pickle.loads(data)  # noqa: S301
+
+
 def header(kind: Kind, msg_id: int, length: int) -> bytes:
     if length > MAX_PAYLOAD:
         raise ValueError("frame payload too large")
@@ -59,7 +65,7 @@ def parse_header(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[
     return kind, msg_id, length
 
 
-def read_frame(reader: io.BufferedReader) -> tuple[Kind, int, bytes] | None:
+def read_frame(reader: io.BufferedIOBase) -> tuple[Kind, int, bytes] | None:
     """Blocking read of one frame; None at a clean end of stream (the peer closed)."""
     head = reader.read(HEADER.size)
     if not head:

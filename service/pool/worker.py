@@ -8,15 +8,16 @@ closed it. Nothing here prints a traceback: a task's arguments may be secrets.
 
 from __future__ import annotations
 
+import contextlib
 import io
-import pickle
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from service.errors import Internal
-from service.pool.wire import Kind, ProtocolError, dumps, read_frame, write_frame
+from service.pool.base import Call
+from service.pool.wire import Kind, ProtocolError, dumps, loads, read_frame, write_frame
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -42,7 +43,7 @@ def worker_main(
         _serve(sock, reader)
 
 
-def _serve(sock: socket.socket, reader: io.BufferedReader) -> None:
+def _serve(sock: socket.socket, reader: io.BufferedIOBase) -> None:
     while True:
         try:
             frame = read_frame(reader)
@@ -64,7 +65,7 @@ def _serve(sock: socket.socket, reader: io.BufferedReader) -> None:
 
 def _run_task(payload: bytes) -> tuple[Kind, bytes]:
     try:
-        fn, args, kwargs = pickle.loads(payload)
+        fn, args, kwargs = cast(Call, loads(payload))
         result = fn(*args, **kwargs)
     except BaseException as exc:
         return Kind.ERROR, encode_error(exc)
@@ -76,7 +77,7 @@ def _run_task(payload: bytes) -> tuple[Kind, bytes]:
 
 def _run_broadcast(payload: bytes) -> tuple[Kind, bytes]:
     try:
-        fn = pickle.loads(payload)
+        fn = cast(Callable[[], object], loads(payload))
         fn()
     except BaseException as exc:
         return Kind.BROADCAST_FAILED, encode_error(exc)
@@ -88,12 +89,10 @@ def encode_error(exc: BaseException) -> bytes:
     Internal. Never the original text of an exception that cannot cross: it might hold secrets.
     Pickling drops the traceback, its frames and locals, and ``__cause__``/``__context__``."""
     if isinstance(exc, Exception):
-        try:
+        with contextlib.suppress(Exception):
             data = dumps(exc)
-            if type(pickle.loads(data)) is type(exc):
+            if type(loads(data)) is type(exc):
                 return data
-        except Exception:
-            pass
     return dumps(Internal("task failed with an error that cannot be reported"))
 
 
