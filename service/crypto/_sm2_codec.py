@@ -6,8 +6,8 @@ Ciphertext (GB/T 32918.4): C1 = (x1, y1) the ephemeral point, C3 = SM3(x2 || M |
 KDF. Layouts in use:
 
 - C1C3C2, "raw": ``[04] || x1 || y1 || C3 || C2`` (GB/T 32918.4-2016; OpenSSL is DER-only);
-- C1C2C3: ``[04] || x1 || y1 || C2 || C3`` (the 2010 draft, still the default of gmssl and
-  BouncyCastle's SM2Engine);
+- C1C2C3: ``[04] || x1 || y1 || C2 || C3`` (OSCCA's 2010 publication, still the default of
+  gmssl and BouncyCastle's SM2Engine);
 - GM/T 0009 DER: ``SEQUENCE { INTEGER x1, INTEGER y1, OCTET STRING C3, OCTET STRING C2 }``
   (what OpenSSL emits and consumes).
 
