@@ -12,18 +12,19 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-ExecutorKind = Literal["inline", "thread", "process"]
+from service.pool.base import ExecutorKind
 
-# Measured defaults (see docs/PERFORMANCE.md): symmetric AEAD is microseconds, so it runs on the
-# event loop; pyca/cryptography releases the GIL for RSA and EC private-key work, SM2 goes through
-# libcrypto via cffi which releases it too.
+# Measured defaults (docs/EXECUTORS.md): AEAD, ECDSA and Ed25519 cost microseconds, less than
+# a hand-off to a thread (13-28 us), so they run on the event loop; RSA and SM2 private-key work
+# costs 0.25-0.5 ms and releases the GIL (pyca/cryptography; libcrypto through cffi), so a
+# thread pool runs it beside the loop.
 DEFAULT_EXECUTORS: dict[str, ExecutorKind] = {
     "aes256-gcm": "inline",
     "sm4-gcm": "inline",
     "rsa-2048": "thread",
     "rsa-3072": "thread",
     "rsa-4096": "thread",
-    "ecdsa-p256": "thread",
+    "ecdsa-p256": "inline",
     "ed25519": "inline",
     "sm2": "thread",
 }
@@ -56,7 +57,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     max_batch_items: int = Field(default=1000, ge=1)
 
-    pool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    pool_workers: int = Field(default=0, ge=0)  # 0: cores / server workers (docs/EXECUTORS.md)
     pool_max_pending: int = Field(default=2048, ge=1)
     pool_deadline: float = Field(default=5.0, gt=0)
     pool_chunk_size: int = Field(default=64, ge=1)
@@ -73,6 +74,13 @@ class Settings(BaseSettings):
     @classmethod
     def _merge_executors(cls, value: dict[str, ExecutorKind]) -> dict[str, ExecutorKind]:
         return {**DEFAULT_EXECUTORS, **value}
+
+    @model_validator(mode="after")
+    def _size_pool(self) -> Settings:
+        # Crypto threads across all server workers = cores: more only adds contention.
+        if self.pool_workers == 0:
+            self.pool_workers = max(1, (os.cpu_count() or 1) // self.workers)
+        return self
 
     @model_validator(mode="after")
     def _refuse_weak_production(self) -> Settings:
