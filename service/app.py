@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
 
 from service import __version__
 from service.api import errors
@@ -21,8 +24,11 @@ from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
+from service.engine import Observer
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
+from service.logs import configure_logging
+from service.metrics import Metrics
 from service.pool import make_executor
 from service.pool.base import Executor
 from service.runner import CryptoRunner
@@ -31,53 +37,70 @@ from service.worker import init_worker
 log = logging.getLogger("cryptd")
 
 
-def _executors(
-    settings: Settings, master_key: bytes, on_queue_wait: Callable[[float], None] | None
-) -> dict[str, Executor]:
+def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[str, Executor]:
     """One executor per kind in use, shared by the key types configured for it."""
+    # Pool processes record their own crypto timings (multiprocess mode); without a shared
+    # directory their figures would be lost, so they then go unrecorded rather than wrong.
+    worker_observer: Observer | None = (
+        metrics.observe_crypto if metrics.multiprocess_dir is not None else None
+    )
     by_kind: dict[str, Executor] = {}
     for kind in sorted(set(settings.executors.values())):
+        process = kind == "process"
         by_kind[kind] = make_executor(
             kind,
             workers=settings.pool_workers,
             max_pending=settings.pool_max_pending,
             deadline=settings.pool_deadline,
-            initializer=init_worker if kind == "process" else None,
+            initializer=init_worker if process else None,
             initargs=(
-                (str(settings.keyring_file), master_key, settings.key_activation_delay)
-                if kind == "process"
+                (
+                    str(settings.keyring_file),
+                    master_key,
+                    settings.key_activation_delay,
+                    worker_observer,
+                )
+                if process
                 else ()
             ),
-            on_queue_wait=on_queue_wait,
+            on_queue_wait=functools.partial(metrics.queue_wait, executor=kind),
         )
     return by_kind
 
 
-async def _watch_keyring(manager: KeyManager, interval: float) -> None:
-    """Poll the keyring file: a Kubernetes Secret update arrives as a swapped symlink, with no
-    signal to the process. One stat per interval; the reload itself runs in a thread."""
+async def _every(interval: float, what: str, action: Callable[[], Awaitable[None]]) -> None:
+    """Run ``action`` every ``interval`` seconds until cancelled, whatever it raises."""
     while True:
         await asyncio.sleep(interval)
         try:
-            await run_in_threadpool(manager.reload_if_changed)
-        except Exception as exc:  # keep watching whatever happens
-            log.error("keyring watch failed", extra={"error_type": type(exc).__name__})
+            await action()
+        except Exception as exc:
+            log.error(f"{what} failed", extra={"error_type": type(exc).__name__})
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
+    metrics = Metrics(enabled=settings.metrics)
     master_key = settings.load_master_key()
     manager = KeyManager(
         settings.keyring_file,
         MasterKey(master_key),
         read_only=settings.keyring_read_only,
         activation_delay=settings.key_activation_delay,
+        on_reload=metrics.keyring_reload,
     )
     manager.load()
 
-    by_kind = _executors(settings, master_key, None)
-    executors = {name: by_kind[settings.executors[name]] for name in KEY_TYPES}
-    runner = CryptoRunner(manager, executors, chunk_size=settings.pool_chunk_size)
+    by_kind = _executors(settings, master_key, metrics)
+    runner = CryptoRunner(
+        manager,
+        {name: by_kind[settings.executors[name]] for name in KEY_TYPES},
+        chunk_size=settings.pool_chunk_size,
+        observer=metrics.observe_crypto,
+        on_overload=functools.partial(metrics.rejected, "overload"),
+    )
+    auth = build_auth(settings)
 
     async def pool_ready() -> tuple[bool, dict[str, Any]]:
         detail: dict[str, Any] = {}
@@ -88,30 +111,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ok = ok and stats.workers_alive > 0
         return ok, detail
 
-    auth = build_auth(settings)
-
     async def replay_ready() -> tuple[bool, dict[str, Any]]:
         ok = await auth.replay.ping()
         return ok, {"backend": "redis" if auth.redis is not None else "memory"}
 
+    async def audit_ready() -> tuple[bool, dict[str, Any]]:
+        return logs.audit.healthy(), {"enabled": logs.audit.enabled}
+
     readiness: list[tuple[str, ReadinessCheck]] = [
         ("pool", pool_ready),
         ("replay_store", replay_ready),
+        ("audit", audit_ready),
     ]
-    services = Services(
-        keys=manager,
-        runner=runner,
-        max_batch_items=settings.max_batch_items,
-        readiness=readiness,
-    )
+
+    async def publish_pool_gauges() -> None:
+        for kind, executor in by_kind.items():
+            stats = executor.stats()
+            metrics.pool_gauges(
+                stats.queued, stats.in_flight, executor=kind, max_pending=stats.max_pending
+            )
+
+    async def check_keyring() -> None:
+        # One stat per interval; a Kubernetes Secret update arrives as a swapped symlink with
+        # no signal to the process. The reload itself runs in a thread.
+        await run_in_threadpool(manager.reload_if_changed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for executor in by_kind.values():
             await executor.start()
-        watcher = asyncio.create_task(
-            _watch_keyring(manager, settings.keyring_reload_interval), name="keyring-watch"
-        )
+        tasks = [
+            asyncio.create_task(
+                _every(settings.keyring_reload_interval, "keyring watch", check_keyring)
+            ),
+            asyncio.create_task(_every(1.0, "pool gauges", publish_pool_gauges)),
+        ]
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(
@@ -122,12 +156,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for executor in by_kind.values():
                 await executor.close()
             await auth.aclose()
+            metrics.close()
+            logs.close()
 
     app = FastAPI(
         title="cryptd",
@@ -135,11 +171,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Encryption as a service: keys stay inside, operations come in over REST.",
         lifespan=lifespan,
     )
-    app.state.services = services
+    app.state.services = Services(
+        keys=manager,
+        runner=runner,
+        max_batch_items=settings.max_batch_items,
+        readiness=readiness,
+        audit=logs.audit,
+    )
     errors.install(app)
     app.include_router(health.router)
     app.include_router(keys.router)
     app.include_router(crypto.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape(request: Request) -> Response:
+        # Reading every process's files takes milliseconds: off the event loop.
+        body, content_type = await run_in_threadpool(metrics.render)
+        return Response(body, media_type=content_type)
 
     # Starlette wraps in reverse order: the last added runs first.
     app.add_middleware(
@@ -149,10 +197,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rate_limiter=auth.rate_limiter,
         max_age=settings.signature_max_age,
         fail_open=settings.replay_fail_open,
+        on_failure=metrics.auth_failure,
+        on_rejection=metrics.rejected,
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
+    )
     app.add_middleware(RequestIdMiddleware)
+    # Outermost: one measurement per request feeds the metrics and the access log.
+    app.add_middleware(
+        _Wrapped, wrap=functools.partial(metrics.asgi_middleware, access_log=logs.access_log)
+    )
     return app
+
+
+class _Wrapped:
+    """Adapts a ``wrap(app) -> app`` function to Starlette's middleware list."""
+
+    def __init__(self, app: Any, *, wrap: Callable[[Any], Any]) -> None:
+        self._app = wrap(app)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
 
 
 def app_factory() -> FastAPI:

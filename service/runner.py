@@ -8,10 +8,11 @@ operations cannot stall other requests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from service import engine, worker
 from service.engine import Item, Observer, OpName, Outcome
+from service.errors import Overloaded
 from service.keys.manager import KeyManager
 from service.pool.base import Executor
 
@@ -24,11 +25,13 @@ class CryptoRunner:
         *,
         chunk_size: int,
         observer: Observer | None = None,
+        on_overload: Callable[[], None] | None = None,
     ) -> None:
         self._keys = keys
         self._executors = executors
         self._chunk_size = chunk_size
         self._observer = observer
+        self._on_overload = on_overload
 
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
         keyring = self._keys.keyring
@@ -56,7 +59,12 @@ class CryptoRunner:
                 executor.run(engine.run_batch, keyring, op, name, chunk, self._observer)
                 for chunk in chunks
             ]
-        if len(tasks) == 1:
-            return await tasks[0]
-        parts = await asyncio.gather(*tasks)
+        try:
+            if len(tasks) == 1:
+                return await tasks[0]
+            parts = await asyncio.gather(*tasks)
+        except Overloaded:
+            if self._on_overload is not None:
+                self._on_overload()
+            raise
         return [outcome for part in parts for outcome in part]

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from service.auth import middleware as auth
 from service.keys.manager import KeyManager
+from service.logs import Audit
 from service.runner import CryptoRunner
 
 
@@ -25,6 +26,7 @@ class Services:
     runner: CryptoRunner
     max_batch_items: int
     readiness: list[tuple[str, ReadinessCheck]]
+    audit: Audit
 
 
 def services(request: Request) -> Services:
@@ -43,6 +45,11 @@ def require_admin(request: Request) -> None:
 
 def may_read(request: Request, key: str) -> bool:
     return auth.client_from_scope(request.scope).allows(key, "read")
+
+
+def client_id(request: Request) -> str | None:
+    client = request.scope.get("state", {}).get(auth.STATE_KEY)
+    return getattr(client, "client_id", None)
 
 
 def note(request: Request, **fields: object) -> None:

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from types import FrameType
 
 import orjson
 
 from service.auth.clients import generate_secret, write_document
+from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.fileio import atomic_write
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
+from service.logs import configure_logging
+from service.metrics import init_multiprocess_dir
 
 DEV_CLIENT_ID = "dev"
 
@@ -79,14 +85,32 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
     return created
 
 
+def _prepare_metrics_dir(settings: Settings) -> None:
+    """Several processes (server workers, pool workers) need prometheus-client's multiprocess
+    mode: a directory, emptied of a previous run's files before any worker starts."""
+    several = settings.workers > 1 or "process" in settings.executors.values()
+    if not settings.metrics or not several:
+        return
+    configured = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if configured:
+        directory = Path(configured)
+    else:
+        # A fresh private directory (mkdtemp: unique name, mode 0700), memory-backed where
+        # possible, removed when the server exits.
+        shm = "/dev/shm"  # noqa: S108 - mkdtemp below makes the name unpredictable
+        base = shm if os.access(shm, os.W_OK) else None
+        directory = Path(tempfile.mkdtemp(prefix="cryptd-metrics-", dir=base))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    init_multiprocess_dir(directory)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+
+
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from service.config import Settings
 
     if args.host:
         os.environ["CRYPTD_HOST"] = args.host
@@ -102,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     settings.load_master_key()
+    _prepare_metrics_dir(settings)
+    configure_logging(settings.log_level, settings.access_log, "off")
     # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
     # exit, so that re-raise ends the process with status 0 instead of 143.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -114,7 +140,8 @@ def serve(args: argparse.Namespace) -> int:
         loop="uvloop",
         http="httptools",
         lifespan="on",
-        access_log=False,
+        access_log=False,  # cryptd's own access log: one JSON line per request, when enabled
+        log_config=None,  # uvicorn's loggers go through cryptd's JSON handler
         log_level=settings.log_level,
         server_header=False,
         timeout_graceful_shutdown=30,

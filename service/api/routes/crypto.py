@@ -17,6 +17,8 @@ from service.keys.keyring import check_key_name
 router = APIRouter(prefix="/v1", tags=["crypto"])
 
 BATCHABLE: tuple[OpName, ...] = ("encrypt", "decrypt", "sign", "verify", "rewrap")
+# Operations that reveal plaintext or commit a key to a statement: one audit line per request.
+AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey"})
 
 
 def json_response(content: Any, status: int = 200) -> Response:
@@ -26,10 +28,45 @@ def json_response(content: Any, status: int = 200) -> Response:
 def _check_to_key(request: Request, item: Item) -> None:
     if isinstance(item, RewrapItem) and item.to_key is not None:
         check_key_name(item.to_key)
+        deps.note(request, to_key=item.to_key)
         deps.authorize(request, item.to_key, "encrypt")
 
 
 async def _run(request: Request, op: OpName, key: str) -> Response:
+    if op not in AUDITED:
+        return json_response(await _execute(request, op, key))
+    try:
+        result = await _execute(request, op, key)
+    except CryptdError as exc:
+        _audit(request, op, key, exc.code, None, 1)
+        raise
+    entries = result.get("batch", [result])
+    failures = sum("error" in entry for entry in entries)
+    outcome = "ok" if failures == 0 else ("error" if failures == len(entries) else "partial")
+    versions = [e["key_version"] for e in entries if "key_version" in e]
+    _audit(request, op, key, outcome, versions, len(entries))
+    return json_response(result)
+
+
+def _audit(
+    request: Request, op: OpName, key: str, outcome: str, versions: list[int] | None, items: int
+) -> None:
+    target = None
+    if op == "rewrap":
+        target = request.scope.get("state", {}).get("to_key")
+    deps.services(request).audit.record(
+        op,
+        client=deps.client_id(request),
+        key=key,
+        outcome=outcome,
+        key_version=versions[0] if versions and len(versions) == 1 else versions,
+        request_id=request.scope.get("state", {}).get("request_id"),
+        items=items,
+        target_key=target,
+    )
+
+
+async def _execute(request: Request, op: OpName, key: str) -> dict[str, Any]:
     check_key_name(key)
     deps.note(request, key=key, operation=op)
     deps.authorize(request, key, op)
@@ -43,7 +80,8 @@ async def _run(request: Request, op: OpName, key: str) -> Response:
         (outcome,) = await services.runner.run(op, key, [item])
         if isinstance(outcome, CryptdError):
             raise outcome
-        return json_response(outcome)
+        deps.note(request, key_version=outcome.get("key_version"))
+        return outcome
 
     raw_items = document["batch"]
     if len(document) != 1 or not isinstance(raw_items, list):
@@ -69,9 +107,9 @@ async def _run(request: Request, op: OpName, key: str) -> Response:
         positions.append(index)
     for index, outcome in zip(positions, await services.runner.run(op, key, good), strict=True):
         outcomes[index] = outcome
-    return json_response(
-        {"batch": [error_entry(translate(o)) if isinstance(o, Exception) else o for o in outcomes]}
-    )
+    return {
+        "batch": [error_entry(translate(o)) if isinstance(o, Exception) else o for o in outcomes]
+    }
 
 
 def _register(op: OpName) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
@@ -9,9 +11,38 @@ from starlette.responses import Response
 from service.api import deps
 from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, UpdateKeyRequest, parse_model
-from service.keys.keyring import check_key_name
+from service.errors import CryptdError
+from service.keys.keyring import Key, check_key_name
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+def _audit(request: Request, event: str, key: str, outcome: str, version: int | None) -> None:
+    deps.services(request).audit.record(
+        f"key.{event}",
+        client=deps.client_id(request),
+        key=key,
+        outcome=outcome,
+        key_version=version,
+        request_id=request.scope.get("state", {}).get("request_id"),
+    )
+
+
+async def _manage(
+    request: Request, event: str, key: str, change: Callable[[], Key | None]
+) -> Key | None:
+    """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
+    the file write fsyncs) and audit it, whatever the outcome."""
+    check_key_name(key)
+    deps.note(request, key=key, operation=event)
+    try:
+        deps.require_admin(request)
+        result = await run_in_threadpool(change)
+    except CryptdError as exc:
+        _audit(request, event, key, exc.code, None)
+        raise
+    _audit(request, event, key, "ok", None if result is None else result.latest_version)
+    return result
 
 
 @router.get("")
@@ -49,24 +80,24 @@ async def describe_key(request: Request, key: str) -> Response:
     },
 )
 async def create_key(request: Request, key: str) -> Response:
-    check_key_name(key)
-    deps.note(request, key=key, operation="create")
-    deps.require_admin(request)
+    check_key_name(key)  # before the body: a bad name is 400 on every route
     body = parse_model(CreateKeyRequest, await request.body())
     manager = deps.services(request).keys
-    # Key generation (RSA-4096 takes seconds) and the file write stay off the event loop.
-    created = await run_in_threadpool(
-        manager.create, key, body.type, deletion_allowed=body.deletion_allowed
+    created = await _manage(
+        request,
+        "create",
+        key,
+        lambda: manager.create(key, body.type, deletion_allowed=body.deletion_allowed),
     )
+    assert created is not None
     return json_response(created.metadata(), status=201)
 
 
 @router.post("/{key}/rotate")
 async def rotate_key(request: Request, key: str) -> Response:
-    check_key_name(key)
-    deps.note(request, key=key, operation="rotate")
-    deps.require_admin(request)
-    rotated = await run_in_threadpool(deps.services(request).keys.rotate, key)
+    manager = deps.services(request).keys
+    rotated = await _manage(request, "rotate", key, lambda: manager.rotate(key))
+    assert rotated is not None
     return json_response(rotated.metadata())
 
 
@@ -81,22 +112,24 @@ async def rotate_key(request: Request, key: str) -> Response:
 )
 async def update_key(request: Request, key: str) -> Response:
     check_key_name(key)
-    deps.note(request, key=key, operation="update")
-    deps.require_admin(request)
     body = parse_model(UpdateKeyRequest, await request.body())
-    updated = await run_in_threadpool(
-        deps.services(request).keys.update,
+    manager = deps.services(request).keys
+    updated = await _manage(
+        request,
+        "update",
         key,
-        min_decryption_version=body.min_decryption_version,
-        deletion_allowed=body.deletion_allowed,
+        lambda: manager.update(
+            key,
+            min_decryption_version=body.min_decryption_version,
+            deletion_allowed=body.deletion_allowed,
+        ),
     )
+    assert updated is not None
     return json_response(updated.metadata())
 
 
 @router.delete("/{key}", status_code=204)
 async def delete_key(request: Request, key: str) -> Response:
-    check_key_name(key)
-    deps.note(request, key=key, operation="delete")
-    deps.require_admin(request)
-    await run_in_threadpool(deps.services(request).keys.delete, key)
+    manager = deps.services(request).keys
+    await _manage(request, "delete", key, lambda: manager.delete(key))
     return Response(status_code=204)
