@@ -163,7 +163,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await executor.close()
             await auth.aclose()
             metrics.close()
-            logs.close()
+            # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
+            # since a worker re-raising SIGTERM ends without running exit handlers.
+            for writer in logs.writers:
+                writer.close()
 
     app = FastAPI(
         title="cryptd",

@@ -51,7 +51,7 @@ def _call(url: str, client: tuple[str, bytes], path: str, body: object) -> httpx
     return httpx.post(url + path, content=content, headers=headers, timeout=30)
 
 
-def test_server_runs_on_a_read_only_root_filesystem() -> None:
+def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
     require_cli()
     if os.geteuid() != 0 or not _namespaces_usable():
         message = "needs root and mount namespaces (unshare --mount)"
@@ -108,7 +108,8 @@ def test_server_runs_on_a_read_only_root_filesystem() -> None:
             "CRYPTD_ENV": "production",
             "CRYPTD_HOST": "127.0.0.1",
             "CRYPTD_PORT": str(port),
-            "CRYPTD_WORKERS": "2",
+            "CRYPTD_WORKERS": "2",  # several workers share their nonces through Redis
+            "CRYPTD_REDIS_URL": redis_url,
             "CRYPTD_POOL_WORKERS": "2",
             "CRYPTD_MASTER_KEY_FILE": str(master),
             "CRYPTD_KEYRING_FILE": str(keyring),
