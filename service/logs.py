@@ -13,9 +13,9 @@ refused) and ``bytes`` values of any kind. Log calls carry identifiers and outco
 from __future__ import annotations
 
 import atexit
-import multiprocessing.util
 import collections
 import logging
+import multiprocessing.util
 import os
 import select
 import stat

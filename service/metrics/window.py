@@ -82,6 +82,8 @@ class SlidingWindow:
             collections.deque()
         )
         self._ring: dict[int, dict[SeriesKey, Bins]] = {}
+        self._serialized: dict[int, bytes] = {}  # slot -> its part of the snapshot
+        self._dirty: set[int] = set()  # slots changed since they were last serialized
         self._current_slot = -1
         self.changed = False
         """Set by every add(); cleared by whoever publishes the window (under no lock: a lost
@@ -98,6 +100,23 @@ class SlidingWindow:
         self.changed = True
         if len(pending) >= FOLD_BATCH:
             self.fold()
+
+    def add_many(self, observations: Iterable[tuple[SeriesKey, float, float]]) -> None:
+        """Bin (series, value, weight) observations made just now, under one lock acquisition."""
+        log2, ceil, multiplier = math.log2, math.ceil, self._multiplier
+        slot = int(time.time() // self.slot_seconds)
+        with self._lock:
+            if slot > self._current_slot:
+                self._advance(slot)
+            stores = self._ring[self._current_slot]
+            self._dirty.add(self._current_slot)
+            for series, value, weight in observations:
+                bins = stores.get(series)
+                if bins is None:
+                    bins = stores[series] = {}
+                key = ceil(log2(value if value > _SMALLEST_VALUE else _SMALLEST_VALUE) * multiplier)
+                bins[key] = bins.get(key, 0.0) + weight
+        self.changed = True
 
     def fold(self) -> None:
         """Move queued observations into their slot's bins (deque pops are atomic and one
@@ -117,6 +136,7 @@ class SlidingWindow:
                 stores = ring.get(slot)
                 if stores is None:
                     stores = ring[slot] = {}
+                self._dirty.add(slot)
                 bins = stores.get(series)
                 if bins is None:
                     bins = stores[series] = {}
@@ -129,33 +149,42 @@ class SlidingWindow:
         oldest = slot - self.slots
         for stale in [s for s in self._ring if s <= oldest]:
             del self._ring[stale]
+            self._serialized.pop(stale, None)
 
     def reset(self) -> None:
         """Forget everything (a forked child must not publish its parent's observations)."""
         self._lock = threading.Lock()
         self._pending = collections.deque()
         self._ring = {}
+        self._serialized = {}
+        self._dirty = set()
         self._current_slot = -1
         self.changed = False
 
     def snapshot(self) -> bytes:
-        """Serialize the slots that are still inside the window (see :func:`decode`)."""
+        """Serialize the slots that are still inside the window (see :func:`decode`).
+
+        A slot is serialized again only if something was added to it since: published every
+        second, a 60 s window mostly re-sends slots that no longer change.
+        """
         self.fold()
         first = int(time.time() // self.slot_seconds) - self.slots + 1
         with self._lock:
-            slots = [
-                [slot, [[*name, list(bins.items())] for name, bins in stores.items()]]
-                for slot, stores in self._ring.items()
-                if slot >= first
-            ]
-        return orjson.dumps(
+            serialized = self._serialized
+            for slot, stores in self._ring.items():
+                if slot in self._dirty or slot not in serialized:
+                    series = [[*name, list(bins.items())] for name, bins in stores.items()]
+                    serialized[slot] = orjson.dumps([slot, series])
+            self._dirty.clear()
+            slots = b",".join(blob for slot, blob in sorted(serialized.items()) if slot >= first)
+        header = orjson.dumps(
             {
                 "format": FORMAT_VERSION,
                 "slot_seconds": self.slot_seconds,
                 "gamma": self.mapping.gamma,
-                "slots": slots,
             }
         )
+        return header[:-1] + b',"slots":[' + slots + b"]}"
 
 
 @dataclass(frozen=True, slots=True)
