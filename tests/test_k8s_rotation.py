@@ -52,6 +52,7 @@ SECRET_VOLUMES = {  # volume directory -> (Secret, key), as in k8s/base/deployme
 }
 RELOAD_INTERVAL = "0.2"
 TIMEOUT = 60.0
+ACTIVATION_DELAY = 8.0
 
 
 @dataclass
@@ -105,6 +106,13 @@ def decrypt(pod: Pod, who: Credential, ciphertext: str) -> bytes:
     return base64.b64decode(response.json()["plaintext"])
 
 
+def latest_version(pod: Pod, client: Any) -> int:
+    response = call(pod, client, "/v1/keys/payments", method="GET")
+    assert response.status_code == 200, response.text
+    version: int = response.json()["latest_version"]
+    return version
+
+
 def eventually(check: Any, what: str, *, streak: int = 1) -> None:
     """Poll ``check()`` until it is true ``streak`` times in a row (every worker answered)."""
     deadline = time.monotonic() + TIMEOUT
@@ -147,6 +155,8 @@ class Cluster:
             CRYPTD_HOST="127.0.0.1",
             CRYPTD_PORT=str(free_port()),
             CRYPTD_KEYRING_RELOAD_INTERVAL=RELOAD_INTERVAL,
+            # The ConfigMap's 120 s, shortened: long enough to see, short enough to wait for.
+            CRYPTD_KEY_ACTIVATION_DELAY=str(ACTIVATION_DELAY),
             CRYPTD_REDIS_URL=secrets["cryptd-redis"]["url"]
             .decode()
             .replace("@cryptd-redis:6379", f"@127.0.0.1:{self.redis_port}"),
@@ -243,15 +253,21 @@ def test_rotation_and_clients_reach_every_replica_without_a_restart(cluster: Clu
     assert result.returncode == 0, result.stderr
     [applied] = parse_docs(operator.applied.read_text())
     new_keyring = base64.b64decode(applied["data"]["keyring.json"])
+    rotated_at = time.time()
     publish_secret(a.mount("keyring"), {"keyring.json": new_keyring}, generation=2)
-    eventually(
-        lambda: encrypt(a, app, b"x")["key_version"] == 2, "pod A encrypts under v2", streak=20
-    )
-    assert encrypt(b, app, b"x")["key_version"] == 1  # B's volume is not refreshed yet
+    eventually(lambda: latest_version(a, app) == 2, "pod A has loaded v2", streak=20)
+    # A holds v2 but does not write with it before the activation delay: B cannot open v2 yet.
+    if time.time() < rotated_at + ACTIVATION_DELAY - 2:
+        assert encrypt(a, app, b"x")["key_version"] == 1
+    assert latest_version(b, app) == 1  # B's volume is not refreshed yet
     publish_secret(b.mount("keyring"), {"keyring.json": new_keyring}, generation=2)
-    eventually(
-        lambda: encrypt(b, app, b"x")["key_version"] == 2, "pod B encrypts under v2", streak=20
-    )
+    eventually(lambda: latest_version(b, app) == 2, "pod B has loaded v2", streak=20)
+    for pod in pods:
+        eventually(
+            lambda pod=pod: encrypt(pod, app, b"x")["key_version"] == 2,
+            f"{pod.name} encrypts under v2 after the activation delay",
+            streak=20,
+        )
 
     new = encrypt(a, app, b"made under version 2")
     for pod in pods:
