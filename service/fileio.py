@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-FileStamp = tuple[int, int, int, int]
+FileStamp = tuple[int, int, int, int, int]
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -42,4 +42,4 @@ def file_stamp(path: Path) -> FileStamp | None:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)

@@ -9,7 +9,6 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics.window import RELATIVE_ACCURACY
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PING = "/v1/ping/{key}"
@@ -31,12 +31,6 @@ DECRYPT = "/v1/decrypt/{key}"
 pytestmark = pytest.mark.slow
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import fnmatch
 import json
 import logging
-import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NoReturn
+
+from service.fileio import atomic_write, file_stamp
 
 logger = logging.getLogger("cryptd.auth")
 
@@ -233,17 +232,6 @@ def load_registry(path: Path) -> ClientRegistry:
 # Hot reload
 
 
-_StatKey = tuple[int, int, int, int, int]
-
-
-def _stat_key(path: Path) -> _StatKey | None:
-    try:
-        st = path.stat()  # follows symlinks: a Secret update swaps the ..data link
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-
-
 class ClientsFile:
     """The current :class:`ClientRegistry` for a clients file, reloaded when the file changes.
 
@@ -256,7 +244,7 @@ class ClientsFile:
         self.path = path
         self.interval = interval
         self._lock = threading.Lock()
-        self._stat = _stat_key(path)
+        self._stat = file_stamp(path)
         self._registry = load_registry(path)  # the first load must succeed
         self._checked_at = time.monotonic()
 
@@ -273,7 +261,7 @@ class ClientsFile:
         """Reload if the file changed since the last look; return whether a new one loaded."""
         with self._lock:
             self._checked_at = time.monotonic()
-            stat = _stat_key(self.path)
+            stat = file_stamp(self.path)
             if stat == self._stat:
                 return False
             self._stat = stat  # remember even a bad version: log it once, not every second
@@ -295,26 +283,8 @@ class ClientsFile:
 
 
 def write_document(path: Path, document: Mapping[str, Any]) -> None:
-    """Replace ``path`` atomically: temp file in the same directory, mode 0600, fsync, rename."""
-    data = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
+    """Replace ``path`` atomically (mode 0600): see :func:`service.fileio.atomic_write`."""
+    atomic_write(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def parse_allow_spec(spec: str) -> dict[str, Any]:
