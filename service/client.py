@@ -381,6 +381,16 @@ def _verify_items(
 # Transport-independent part of the clients
 
 
+# Failures where the request cannot have been processed: no connection, or a kept-alive
+# connection the server closed (shutdown, idle timeout) before it sent any response byte.
+_RETRY_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.RemoteProtocolError,
+)
+
+
 def _retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     if value is None:
@@ -513,7 +523,7 @@ class CryptdClient(_Base):
         while True:
             try:
                 response = self._http.send(self._build(self._http, call))  # fresh nonce each time
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            except _RETRY_ERRORS as exc:
                 delay = self._delay(attempt, waited, None)
                 if delay is None:
                     raise CryptdConnectionError(f"{self.url}: {exc}") from exc
@@ -714,7 +724,7 @@ class AsyncCryptdClient(_Base):
         while True:
             try:
                 response = await self._http.send(self._build(self._http, call))
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            except _RETRY_ERRORS as exc:
                 delay = self._delay(attempt, waited, None)
                 if delay is None:
                     raise CryptdConnectionError(f"{self.url}: {exc}") from exc
