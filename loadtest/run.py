@@ -1,0 +1,662 @@
+"""cryptd against OpenBao Transit on this machine: same scenarios, same concurrency, alternating.
+
+    python -m loadtest.run            # default: 10 s per measurement, 3 rounds (~12 min)
+    python -m loadtest.run --quick    # smoke run (~2 min)
+
+Starts OpenBao (``bao server -dev``, Transit, keys aes256-gcm96 / rsa-2048 / ecdsa-p256 /
+ed25519) and cryptd (``cryptd serve --dev`` in a private directory, request signing and metrics
+on), picks cryptd's server worker count by measuring 1 and 2 (``--workers auto``), then runs
+every scenario with wrk against both targets in turn, round after round (cryptd first in odd
+rounds, OpenBao first in even ones), and the open-loop case study (RSA-2048 decrypt at a fixed
+offered rate). Every cryptd request is signed by the load generator (Lua in wrk, Python in the
+open loop); OpenBao requests carry ``X-Vault-Token``. Prints Markdown tables of the medians and
+writes everything (every run) as JSON to ``loadtest/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from loadtest import overhead
+from loadtest.measure import Measurement, find_wrk, run_wrk
+from loadtest.openloop import http_request, run_open_loop
+from loadtest.probe import RoundTrip, get_request, keepalive_round_trip
+from loadtest.procstat import wait_for_quiet
+from loadtest.report import CaseStudy, Comparison, capacity_table, comparison_table, summarize
+from loadtest.scenarios import BY_NAME, CASE_STUDY, SCENARIOS, Scenario
+from loadtest.targets import Cryptd, OpenBao, Target, check_response, find_bao, prepare_body
+from service.auth.signature import sign_request
+
+RESULTS_DIR: Final = Path(__file__).resolve().parent / "results"
+DEFAULT_REDIS: Final = "redis://127.0.0.1:6379/0"
+CALIBRATION_DEFAULT: Final = tuple(s.name for s in SCENARIOS if s.openbao is not None)
+CALIBRATION_QUICK: Final = ("aes-encrypt", "rsa-sign")
+# Two worker processes must beat one by this much to be worth the extra memory and processes.
+WORKERS_MARGIN: Final = 1.03
+
+
+@dataclass(frozen=True)
+class Plan:
+    duration: float
+    rounds: int
+    warmup: float
+    connections: int
+    threads: int
+    case_rate: float
+    case_duration: float
+    calibration: float
+    calibration_scenarios: tuple[str, ...]
+    scenarios: tuple[str, ...]
+    quiet_threshold: float = 0.0  # wait for the rest of the machine to use <= this many cores
+    quiet_wait: float = 0.0  # ... for at most this many seconds (0: never wait)
+    digest_once: bool = False  # wrk computes each cryptd body's Content-Digest once per thread
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    quick = args.quick
+    if args.scenarios == "none":  # the case study alone
+        scenarios: tuple[str, ...] = ()
+    else:
+        scenarios = tuple(args.scenarios.split(",")) if args.scenarios else tuple(BY_NAME)
+    unknown = [s for s in scenarios if s not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
+    return Plan(
+        duration=args.duration or (3.0 if quick else 10.0),
+        rounds=args.rounds or (1 if quick else 3),
+        warmup=1.0 if quick else 2.0,
+        connections=args.connections,
+        threads=args.threads,
+        case_rate=args.case_rate,
+        case_duration=args.case_duration or (5.0 if quick else 20.0),
+        calibration=2.0 if quick else 3.0,
+        calibration_scenarios=CALIBRATION_QUICK if quick else CALIBRATION_DEFAULT,
+        scenarios=scenarios,
+        quiet_threshold=args.quiet,
+        quiet_wait=args.quiet_wait if args.quiet > 0 else 0.0,
+        digest_once=args.digest_once,
+    )
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Bodies and one measurement
+
+
+@dataclass
+class Prepared:
+    """Body files per (target, scenario), checked with one request each."""
+
+    directory: Path
+    files: dict[tuple[str, str], Path]
+
+    def body(self, target: str, scenario: str) -> bytes:
+        return self.files[(target, scenario)].read_bytes()
+
+
+def prepare(targets: Sequence[Target], scenarios: Sequence[Scenario], directory: Path) -> Prepared:
+    directory.mkdir(parents=True, exist_ok=True)
+    files: dict[tuple[str, str], Path] = {}
+    for target in targets:
+        for scenario in scenarios:
+            endpoint = scenario.cryptd if target.name == "cryptd" else scenario.openbao
+            if endpoint is None:
+                continue
+            body = prepare_body(target, endpoint)
+            status, data = target.request(endpoint.path, body)
+            check_response(status, data, scenario.items)
+            path = directory / f"{target.name}-{scenario.name}.json"
+            path.write_bytes(orjson.dumps(body))
+            files[(target.name, scenario.name)] = path
+    return Prepared(directory, files)
+
+
+def settle(plan: Plan) -> float | None:
+    """Before a measured run: wait for the shared cores to calm down (see --quiet)."""
+    if plan.quiet_wait <= 0:
+        return None
+    return wait_for_quiet(
+        plan.quiet_threshold,
+        plan.quiet_wait,
+        lambda load: log(f"  waiting for a quiet machine (others use {load:.2f} cores)"),
+    )
+
+
+NOISY_RETRIES: Final = 2
+
+
+def quietly(plan: Plan, run: Callable[[], Measurement]) -> Measurement:
+    """Wait for a quiet machine, measure; if other processes still took more than
+    ``plan.quiet_threshold`` cores during the run, measure again (twice at most) and keep the
+    least disturbed run. Disabled with --quiet 0."""
+    best: Measurement | None = None
+    for attempt in range(NOISY_RETRIES + 1):
+        settle(plan)
+        m = run()
+        if best is None or _others(m) < _others(best):
+            best = m
+        if plan.quiet_wait <= 0 or _others(m) <= plan.quiet_threshold:
+            break
+        if attempt < NOISY_RETRIES:
+            log(f"  others took {_others(m):.2f} cores during the run: measuring again")
+    assert best is not None
+    return best
+
+
+def _others(m: Measurement) -> float:
+    return (m.others_cpu_s or 0.0) / m.seconds if m.seconds else 0.0
+
+
+def measure(
+    target: Cryptd | OpenBao,
+    scenario: Scenario,
+    prepared: Prepared,
+    plan: Plan,
+    duration: float,
+) -> Measurement:
+    if isinstance(target, Cryptd):
+        script, env = "cryptd.lua", {"CRYPTD_CREDENTIALS": str(target.credentials)}
+        if plan.digest_once:
+            env["CRYPTD_LT_DIGEST"] = "once"
+    else:
+        script, env = "openbao.lua", {"BAO_TOKEN": target.token}
+    return run_wrk(
+        script,
+        target.url,
+        [scenario.name, str(prepared.files[(target.name, scenario.name)])],
+        connections=plan.connections,
+        threads=plan.threads,
+        duration=duration,
+        env=env,
+        server_pid=target.pids,
+        items=scenario.items,
+    )
+
+
+def describe(m: Measurement) -> str:
+    return (
+        f"{m.ops:,.0f} ops/s  P50 {m.p50_ms:.2f} ms  P99 {m.p99_ms:.2f} ms  errors {m.errors}"
+        + (f"  others' CPU {m.others_cpu_s / m.seconds:.2f} cores" if m.others_cpu_s else "")
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Server worker count, keep-alive probe
+
+
+def redis_url(choice: str) -> str | None:
+    if choice == "none":
+        return None
+    url = DEFAULT_REDIS if choice == "auto" else choice
+    try:
+        import redis
+
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except Exception as exc:
+        if choice != "auto":
+            raise SystemExit(f"Redis at {url} is not reachable: {exc}") from exc
+        return None
+    return url
+
+
+def cryptd_env(workers: int, redis: str | None) -> dict[str, str]:
+    # Worker processes do not share an in-memory replay store: several workers take Redis
+    # (the production setup), otherwise a replay could reach the other worker.
+    return {"CRYPTD_REDIS_URL": redis} if workers > 1 and redis else {}
+
+
+def probe(cryptd: Cryptd) -> dict[str, Any]:
+    """Idle keep-alive round trips: an unsigned GET and a signed encrypt."""
+    host = cryptd.url.removeprefix("http://")
+    body = orjson.dumps(BY_NAME["aes-encrypt"].cryptd.body(None))
+    path = BY_NAME["aes-encrypt"].cryptd.path
+
+    def signed() -> bytes:
+        headers = sign_request("POST", path, "", body, cryptd.client_id, cryptd.secret)
+        return http_request(host, path, headers, body)
+
+    results: list[RoundTrip] = [
+        keepalive_round_trip(cryptd.url, "/healthz", lambda: get_request(host, "/healthz")),
+        keepalive_round_trip(cryptd.url, path, signed),
+    ]
+    return {
+        r.path: {"median_ms": r.median_ms, "max_ms": r.max_ms, "trapped": r.trapped}
+        for r in results
+    }
+
+
+def calibrate_workers(
+    workdir: Path, plan: Plan, redis: str | None, prepared_dir: Path
+) -> tuple[int, dict[str, Any]]:
+    """Measure 1 and 2 server workers side by side (both servers up, measured in turn on each
+    calibration scenario, so both see the same machine); keep the faster."""
+    scenarios = [BY_NAME[name] for name in plan.calibration_scenarios]
+    servers = {w: Cryptd(workdir, w, cryptd_env(w, redis)) for w in (1, 2)}
+    figures: dict[str, dict[str, Any]] = {str(w): {"ops": {}} for w in servers}
+    try:
+        for server in servers.values():
+            server.start()
+        for workers, server in servers.items():
+            figures[str(workers)]["probe"] = probe(server)
+        prepared = {
+            w: prepare([server], scenarios, prepared_dir / f"calibration-{w}")
+            for w, server in servers.items()
+        }
+        for index, scenario in enumerate(scenarios):
+            order = (1, 2) if index % 2 == 0 else (2, 1)
+            for workers in order:
+                server = servers[workers]
+                measure(server, scenario, prepared[workers], plan, 1.0)  # warm-up
+                m = quietly(
+                    plan,
+                    partial(measure, server, scenario, prepared[workers], plan, plan.calibration),
+                )
+                figures[str(workers)]["ops"][scenario.name] = m.ops
+                log(f"  workers={workers} {scenario.name}: {describe(m)}")
+    finally:
+        for server in servers.values():
+            server.stop()
+    ratios = [figures["2"]["ops"][s.name] / figures["1"]["ops"][s.name] for s in scenarios]
+    gain = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    chosen = 2 if gain >= WORKERS_MARGIN else 1
+    return chosen, {"figures": figures, "gain_2_over_1": gain, "chosen": chosen}
+
+
+# --------------------------------------------------------------------------------------------
+# Side metrics: metrics on/off
+
+
+def metrics_cost(
+    workdir: Path, workers: int, redis: str | None, plan: Plan, prepared_dir: Path
+) -> dict[str, Any]:
+    """aes-encrypt against two cryptd servers, CRYPTD_METRICS on and off, alternating."""
+    scenario = BY_NAME["aes-encrypt"]
+    servers = {
+        flag: Cryptd(workdir, workers, {**cryptd_env(workers, redis), "CRYPTD_METRICS": flag})
+        for flag in ("true", "false")
+    }
+    runs: dict[str, list[Measurement]] = {"true": [], "false": []}
+    try:
+        for server in servers.values():
+            server.start()
+        metrics_exposed = servers["true"].get("/metrics").status_code == 200
+        prepared = {
+            flag: prepare([server], [scenario], prepared_dir / f"metrics-{flag}")
+            for flag, server in servers.items()
+        }
+        for flag, server in servers.items():
+            measure(server, scenario, prepared[flag], plan, 1.0)
+        for round_no in range(max(plan.rounds, 2)):
+            order = ("true", "false") if round_no % 2 == 0 else ("false", "true")
+            for flag in order:
+                m = quietly(
+                    plan,
+                    partial(measure, servers[flag], scenario, prepared[flag], plan, plan.duration),
+                )
+                runs[flag].append(m)
+                log(f"  metrics={flag}: {describe(m)}")
+    finally:
+        for server in servers.values():
+            server.stop()
+    on, off = summarize(runs["true"], _cores()), summarize(runs["false"], _cores())
+    return {
+        "metrics_endpoint": metrics_exposed,
+        "on": on.to_json(),
+        "off": off.to_json(),
+        "throughput_cost": 1 - on.ops / off.ops if off.ops else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Main flow
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+def _version(command: list[str]) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
+        text = (done.stdout or done.stderr).strip().splitlines()
+        return text[0] if text else ""
+    return ""
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    from service import __version__
+
+    return {
+        "cpu": model,
+        "cores": _cores(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "wrk": _version([find_wrk() or "wrk", "-v"]),
+        "openbao": _version([find_bao(), "version"]),
+        "cryptd": __version__,
+        "git_head": _version(
+            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]
+        ),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+    }
+
+
+def run_rounds(
+    cryptd: Cryptd,
+    bao: OpenBao | None,
+    prepared: Prepared,
+    plan: Plan,
+) -> dict[str, dict[str, list[Measurement]]]:
+    runs: dict[str, dict[str, list[Measurement]]] = {
+        name: {"cryptd": [], "openbao": []} for name in plan.scenarios
+    }
+    targets: list[Cryptd | OpenBao] = [cryptd] + ([bao] if bao else [])
+    log("warm-up")
+    for name in plan.scenarios:
+        for target in targets:
+            if (target.name, name) in prepared.files:
+                measure(target, BY_NAME[name], prepared, plan, plan.warmup)
+    for round_no in range(plan.rounds):
+        order = targets if round_no % 2 == 0 else targets[::-1]
+        for name in plan.scenarios:
+            for target in order:
+                if (target.name, name) not in prepared.files:
+                    continue
+                m = quietly(
+                    plan,
+                    partial(measure, target, BY_NAME[name], prepared, plan, plan.duration),
+                )
+                runs[name][target.name].append(m)
+                log(f"round {round_no + 1}/{plan.rounds} {name} {target.name}: {describe(m)}")
+    return runs
+
+
+def run_case_study(
+    cryptd: Cryptd, bao: OpenBao | None, prepared: Prepared, plan: Plan
+) -> CaseStudy:
+    endpoint = CASE_STUDY.cryptd
+    cryptd_body = prepared.body("cryptd", CASE_STUDY.name)
+    host = cryptd.url.removeprefix("http://")
+
+    def cryptd_request() -> bytes:
+        # Signed at send time: a fresh created and nonce per request, like a real client.
+        headers = sign_request(
+            "POST", endpoint.path, "", cryptd_body, cryptd.client_id, cryptd.secret
+        )
+        return http_request(host, endpoint.path, headers, cryptd_body)
+
+    factories: list[tuple[Cryptd | OpenBao, Callable[[], bytes]]] = [(cryptd, cryptd_request)]
+    if bao is not None and CASE_STUDY.openbao is not None:
+        bao_request = http_request(
+            bao.url.removeprefix("http://"),
+            CASE_STUDY.openbao.path,
+            {"X-Vault-Token": bao.token, "Content-Type": "application/json"},
+            prepared.body("openbao", CASE_STUDY.name),
+        )
+        factories.append((bao, lambda: bao_request))
+    results: dict[str, list[Measurement]] = {"cryptd": [], "openbao": []}
+    for target, factory in factories:  # warm-up at the same rate
+        run_open_loop(target.url, factory, rate=plan.case_rate, duration=min(2.0, plan.warmup))
+    for round_no in range(plan.rounds):
+        order = factories if round_no % 2 == 0 else factories[::-1]
+        for target, factory in order:
+            m = quietly(
+                plan,
+                partial(
+                    run_open_loop,
+                    target.url,
+                    factory,
+                    rate=plan.case_rate,
+                    duration=plan.case_duration,
+                    server_pid=target.pids,
+                ),
+            )
+            results[target.name].append(m)
+            log(
+                f"case study round {round_no + 1}/{plan.rounds} {target.name}: "
+                f"{m.rps:,.0f} req/s of {plan.case_rate:,.0f} offered, P50 {m.p50_ms:.2f} ms "
+                f"P99 {m.p99_ms:.2f} ms errors {m.errors} "
+                f"(generator lag P99 {m.detail['send_lag_p99_ms']:.2f} ms)"
+            )
+    return CaseStudy(plan.case_rate, plan.case_duration, results["cryptd"], results["openbao"])
+
+
+def render(result: dict[str, Any], comparisons: list[Comparison], case: CaseStudy | None) -> str:
+    m, cfg = result["machine"], result["config"]
+    out = [
+        f"# cryptd vs OpenBao Transit ({result['started']})",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}, "
+        f"{m['openbao']}, {m['wrk']}. Load average at start: {' '.join(m['loadavg'])}.",
+        f"Load: wrk -t{cfg['threads']} -c{cfg['connections']}, {cfg['duration']:.0f} s per "
+        f"measurement, {cfg['rounds']} round(s), medians; cryptd with {cfg['workers']} server "
+        f"worker(s){' and Redis replay store' if cfg['redis'] else ''}, signing and metrics on.",
+        "",
+        comparison_table(comparisons),
+        "",
+        "Goals: ops/s >= 1.5x OpenBao's (batch in items/s), P99 <= 1/3 of OpenBao's, no errors.",
+        "",
+        "## Capacity (server CPU per operation)",
+        "",
+        capacity_table(comparisons),
+    ]
+    if case is not None:
+        out += [
+            "",
+            f"## Case study: RSA-2048 decrypt, {case.rate:,.0f} req/s offered (open loop), "
+            f"{case.duration:.0f} s x {cfg['rounds']}",
+            "",
+            case.table(),
+        ]
+    probe_data = result.get("probe")
+    if probe_data:
+        out += ["", "## Idle keep-alive round trip (TCP_NODELAY check)", ""]
+        for path, figures in probe_data.items():
+            out.append(
+                f"- {path}: median {figures['median_ms']:.3f} ms, max {figures['max_ms']:.3f} ms"
+                + (" - DELAYED-ACK TRAP" if figures["trapped"] else "")
+            )
+    auth = result.get("auth_cost")
+    if auth:
+        out += ["", "## Request authentication cost (in-process)", ""]
+        out.append("| scenario | verify+replay us | middleware us | share of server CPU/request |")
+        out.append("|---|---:|---:|---:|")
+        for row in auth:
+            share = row.get("share_of_request")
+            out.append(
+                f"| {row['scenario']} | {row['verify_replay_us']:.1f} | {row['middleware_us']:.1f} "
+                f"| {'-' if share is None else f'{share:.0%}'} |"
+            )
+    metrics = result.get("metrics_cost")
+    if metrics:
+        cost = metrics["throughput_cost"]
+        out += [
+            "",
+            f"Metrics on vs off (aes-encrypt): {metrics['on']['ops']:,.0f} vs "
+            f"{metrics['off']['ops']:,.0f} ops/s"
+            + ("" if cost is None else f" ({cost:+.1%} cost)")
+            + ("" if metrics["metrics_endpoint"] else " - /metrics is not served (not wired)"),
+        ]
+    return "\n".join(out)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.run", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--duration", type=float, help="seconds per measurement (10; quick 3)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (3; quick 1)")
+    parser.add_argument("--connections", type=int, default=16, help="wrk connections (16)")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
+    parser.add_argument(
+        "--workers", default="auto", help="cryptd server workers: a number or auto (measure 1, 2)"
+    )
+    parser.add_argument(
+        "--redis",
+        default="auto",
+        help="replay store for several workers: URL, auto (local Redis if up) or none",
+    )
+    parser.add_argument(
+        "--scenarios", help="comma-separated subset (default: all; none: the case study alone)"
+    )
+    parser.add_argument("--case-rate", type=float, default=500.0, help="offered req/s (500)")
+    parser.add_argument("--case-duration", type=float, help="case-study seconds (20; quick 5)")
+    parser.add_argument("--no-case-study", action="store_true")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        help="before each measurement wait until other processes use at most this many cores"
+        " (0.25; 0 = never wait)",
+    )
+    parser.add_argument(
+        "--digest-once",
+        action="store_true",
+        help="wrk hashes each cryptd body once per thread (still a fresh nonce and HMAC per"
+        " request): removes the slow pure-Lua SHA-256 of big bodies from the shared cores",
+    )
+    parser.add_argument("--quiet-wait", type=float, default=120.0, help="longest wait, s (120)")
+    parser.add_argument("--no-openbao", action="store_true", help="cryptd only")
+    parser.add_argument("--metrics-cost", action="store_true", help="also measure metrics off")
+    parser.add_argument("--json", type=Path, help="JSON output (default loadtest/results/...)")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    if find_wrk() is None:
+        print("wrk is not installed: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-"))
+    redis = redis_url(args.redis)
+    result: dict[str, Any] = {"started": started, "machine": machine()}
+    log(f"working directory {workdir}")
+    try:
+        with contextlib.ExitStack() as stack:
+            bao: OpenBao | None = None
+            if not args.no_openbao:
+                bao = OpenBao(workdir / "openbao")
+                stack.callback(bao.stop)
+                bao.start()
+                log(f"OpenBao at {bao.url}")
+
+            if args.workers == "auto":
+                log("choosing the server worker count (1 vs 2)")
+                workers, calibration = calibrate_workers(
+                    workdir / "cryptd", plan, redis, workdir / "bodies"
+                )
+                result["workers_calibration"] = calibration
+                log(f"workers: {workers} (2 vs 1: {calibration['gain_2_over_1']:.2f}x)")
+            else:
+                workers = int(args.workers)
+            env = cryptd_env(workers, redis)
+            result["config"] = {
+                **asdict(plan),
+                "workers": workers,
+                "redis": env.get("CRYPTD_REDIS_URL"),
+            }
+
+            cryptd = Cryptd(workdir / "cryptd", workers, env)
+            stack.callback(cryptd.stop)
+            cryptd.start()
+            log(f"cryptd at {cryptd.url} ({workers} worker(s))")
+            result["probe"] = probe(cryptd)
+            result["metrics_endpoint"] = cryptd.get("/metrics").status_code == 200
+
+            scenarios = [BY_NAME[name] for name in plan.scenarios]
+            targets: list[Target] = [cryptd] + ([bao] if bao else [])
+            prepared = prepare(targets, scenarios, workdir / "bodies")
+
+            runs = run_rounds(cryptd, bao, prepared, plan)
+            comparisons = [
+                Comparison(
+                    name,
+                    BY_NAME[name].title,
+                    summarize(runs[name]["cryptd"], _cores()),
+                    summarize(runs[name]["openbao"], _cores()) if runs[name]["openbao"] else None,
+                )
+                for name in plan.scenarios
+            ]
+            case = None
+            if not args.no_case_study:
+                if (cryptd.name, CASE_STUDY.name) not in prepared.files:
+                    prepared = prepare(targets, [CASE_STUDY], workdir / "bodies")
+                case = run_case_study(cryptd, bao, prepared, plan)
+
+            auth_rows = []
+            for name in ("aes-encrypt", "rsa-sign", "aes-batch"):
+                cost = asdict(overhead.measure(name, count=2000, repeats=3))
+                row = next((c for c in comparisons if c.scenario == name), None)
+                per_request = row.cryptd.server_cpu_per_request_us if row else None
+                cost["share_of_request"] = (
+                    cost["middleware_us"] / per_request if per_request else None
+                )
+                auth_rows.append(cost)
+            result["auth_cost"] = auth_rows
+
+            result["runs"] = {
+                name: {t: [m.to_json() for m in ms] for t, ms in by_target.items()}
+                for name, by_target in runs.items()
+            }
+            result["comparisons"] = [c.to_json() for c in comparisons]
+            result["case_study"] = case.to_json() if case else None
+
+            cryptd.stop()
+            if bao is not None:
+                bao.stop()
+            if args.metrics_cost:
+                log("metrics on/off")
+                result["metrics_cost"] = metrics_cost(
+                    workdir / "cryptd", workers, redis, plan, workdir / "bodies"
+                )
+        result["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        text = render(result, comparisons, case)
+        print(text)
+        out = args.json or RESULTS_DIR / f"{started.replace(':', '')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        log(f"results: {out}")
+    finally:
+        if args.keep:
+            log(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

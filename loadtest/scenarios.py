@@ -1,0 +1,154 @@
+"""The scenarios, described once for both targets: path and JSON body for cryptd and for
+OpenBao's Transit engine. The wrk scripts carry the same bodies for standalone use; the runner
+always hands wrk the bodies built here (decrypt bodies need a ciphertext made by the target).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+PAYLOAD_BYTES: Final = 1024  # the "1 KiB" of the AES scenarios
+MESSAGE_BYTES: Final = 32  # message signed by the sign scenarios
+SECRET_BYTES: Final = 32  # plaintext of the RSA decrypt scenarios: a data key
+BATCH_ITEMS: Final = 100
+
+# OpenBao Transit key names and types (created by the runner).
+OPENBAO_KEYS: Final = {
+    "aes": "aes256-gcm96",
+    "rsa-2048": "rsa-2048",
+    "ecdsa-p256": "ecdsa-p256",
+    "ed25519": "ed25519",
+}
+
+
+def payload(size: int) -> bytes:
+    """Deterministic filler (the same formula as loadtest/wrk/common.lua): only sizes matter."""
+    return bytes(((i + 1) * 131 + 7) % 256 for i in range(size))
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+Body = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One request shape against one target. ``ciphertext_of`` says which plaintext the target
+    must encrypt first (decrypt scenarios); the body then gets that ciphertext."""
+
+    path: str
+    body: Callable[[str | None], Body]
+    encrypt_path: str | None = None
+    encrypt_body: Body | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    cryptd: Endpoint
+    openbao: Endpoint | None  # None: OpenBao has no counterpart (SM2)
+    items: int = 1  # operations per request (batch)
+
+
+def _fixed(body: Body) -> Callable[[str | None], Body]:
+    return lambda _ciphertext: body
+
+
+def _ciphertext_body(ciphertext: str | None) -> Body:
+    if ciphertext is None:
+        raise ValueError("a decrypt scenario needs a ciphertext")
+    return {"ciphertext": ciphertext}
+
+
+_PLAINTEXT = b64(payload(PAYLOAD_BYTES))
+_MESSAGE = b64(payload(MESSAGE_BYTES))
+_SECRET = b64(payload(SECRET_BYTES))
+
+SCENARIOS: Final[tuple[Scenario, ...]] = (
+    Scenario(
+        "aes-encrypt",
+        "AES-256-GCM encrypt 1 KiB",
+        Endpoint("/v1/encrypt/aes256-gcm", _fixed({"plaintext": _PLAINTEXT})),
+        Endpoint("/v1/transit/encrypt/aes", _fixed({"plaintext": _PLAINTEXT})),
+    ),
+    Scenario(
+        "aes-decrypt",
+        "AES-256-GCM decrypt 1 KiB",
+        Endpoint(
+            "/v1/decrypt/aes256-gcm",
+            _ciphertext_body,
+            "/v1/encrypt/aes256-gcm",
+            {"plaintext": _PLAINTEXT},
+        ),
+        Endpoint(
+            "/v1/transit/decrypt/aes",
+            _ciphertext_body,
+            "/v1/transit/encrypt/aes",
+            {"plaintext": _PLAINTEXT},
+        ),
+    ),
+    Scenario(
+        "rsa-sign",
+        "RSA-2048 sign (PSS, SHA-256)",
+        Endpoint("/v1/sign/rsa-2048", _fixed({"message": _MESSAGE, "algorithm": "pss"})),
+        Endpoint(
+            "/v1/transit/sign/rsa-2048/sha2-256",
+            _fixed({"input": _MESSAGE, "signature_algorithm": "pss"}),
+        ),
+    ),
+    Scenario(
+        "rsa-decrypt",
+        "RSA-2048 decrypt (32 B)",
+        Endpoint(
+            "/v1/decrypt/rsa-2048", _ciphertext_body, "/v1/encrypt/rsa-2048", {"plaintext": _SECRET}
+        ),
+        Endpoint(
+            "/v1/transit/decrypt/rsa-2048",
+            _ciphertext_body,
+            "/v1/transit/encrypt/rsa-2048",
+            {"plaintext": _SECRET},
+        ),
+    ),
+    Scenario(
+        "ecdsa-sign",
+        "ECDSA-P256 sign",
+        Endpoint("/v1/sign/ecdsa-p256", _fixed({"message": _MESSAGE})),
+        Endpoint("/v1/transit/sign/ecdsa-p256/sha2-256", _fixed({"input": _MESSAGE})),
+    ),
+    Scenario(
+        "ed25519-sign",
+        "Ed25519 sign",
+        Endpoint("/v1/sign/ed25519", _fixed({"message": _MESSAGE})),
+        Endpoint("/v1/transit/sign/ed25519", _fixed({"input": _MESSAGE})),
+    ),
+    Scenario(
+        "sm2-sign",
+        "SM2 sign (cryptd only)",
+        Endpoint("/v1/sign/sm2", _fixed({"message": _MESSAGE})),
+        None,
+    ),
+    Scenario(
+        "aes-batch",
+        "AES-256-GCM batch 100 x 1 KiB",
+        Endpoint(
+            "/v1/encrypt/aes256-gcm",
+            _fixed({"batch": [{"plaintext": _PLAINTEXT}] * BATCH_ITEMS}),
+        ),
+        Endpoint(
+            "/v1/transit/encrypt/aes",
+            _fixed({"batch_input": [{"plaintext": _PLAINTEXT}] * BATCH_ITEMS}),
+        ),
+        items=BATCH_ITEMS,
+    ),
+)
+
+BY_NAME: Final = {scenario.name: scenario for scenario in SCENARIOS}
+
+# The origin case study: RSA-2048 hybrid decryption at a fixed offered rate (open loop).
+CASE_STUDY: Final = BY_NAME["rsa-decrypt"]

