@@ -50,32 +50,19 @@ def make_executor(
     on_queue_wait: QueueWaitObserver | None = None,
 ) -> Executor:
     """Build an executor; call ``await executor.start()`` before use, ``close()`` after."""
+    common: dict[str, Any] = {
+        "max_pending": max_pending,
+        "deadline": deadline,
+        "initializer": initializer,
+        "initargs": initargs,
+        "on_queue_wait": on_queue_wait,
+    }
     if kind == "inline":
-        return InlineExecutor(
-            max_pending=max_pending,
-            deadline=deadline,
-            initializer=initializer,
-            initargs=initargs,
-            on_queue_wait=on_queue_wait,
-        )
+        return InlineExecutor(**common)  # one loop: no worker count
     if kind == "thread":
-        return ThreadExecutor(
-            workers=workers,
-            max_pending=max_pending,
-            deadline=deadline,
-            initializer=initializer,
-            initargs=initargs,
-            on_queue_wait=on_queue_wait,
-        )
+        return ThreadExecutor(workers=workers, **common)
     if kind == "process":
-        return ProcessExecutor(
-            workers=workers,
-            max_pending=max_pending,
-            deadline=deadline,
-            initializer=initializer,
-            initargs=initargs,
-            on_queue_wait=on_queue_wait,
-        )
+        return ProcessExecutor(workers=workers, **common)
     raise ValueError(f"unknown executor kind {kind!r}; expected one of {EXECUTOR_KINDS}")
 
 
