@@ -1,6 +1,7 @@
 """cryptd against OpenBao Transit on this machine: same scenarios, same concurrency, alternating.
 
-    python -m loadtest.run            # default: 10 s per measurement, 3 rounds (~12 min)
+    python -m loadtest.run            # 10 s per measurement, 3 rounds: ~15 min on a quiet
+                                      # machine, more while it waits for busy neighbours
     python -m loadtest.run --quick    # smoke run (~2 min)
 
 Starts OpenBao (``bao server -dev``, Transit, keys aes256-gcm96 / rsa-2048 / ecdsa-p256 /
@@ -8,8 +9,9 @@ ed25519) and cryptd (``cryptd serve --dev`` in a private directory, request sign
 on), picks cryptd's server worker count by measuring 1 and 2 (``--workers auto``), then runs
 every scenario with wrk against both targets in turn, round after round (cryptd first in odd
 rounds, OpenBao first in even ones), and the open-loop case study (RSA-2048 decrypt at a fixed
-offered rate). Every cryptd request is signed by the load generator (Lua in wrk, Python in the
-open loop); OpenBao requests carry ``X-Vault-Token``. Prints Markdown tables of the medians and
+offered rate, on a cryptd sized for it: one worker unless --case-workers says otherwise).
+Every cryptd request is signed by the load generator (Lua in wrk, Python in the open loop);
+OpenBao requests carry ``X-Vault-Token``. Prints Markdown tables of the medians and
 writes everything (every run) as JSON to ``loadtest/results/``.
 """
 
@@ -471,7 +473,8 @@ def render(result: dict[str, Any], comparisons: list[Comparison], case: CaseStud
         out += [
             "",
             f"## Case study: RSA-2048 decrypt, {case.rate:,.0f} req/s offered (open loop), "
-            f"{case.duration:.0f} s x {cfg['rounds']}",
+            f"{case.duration:.0f} s x {cfg['rounds']}, cryptd with "
+            f"{cfg.get('case_workers', cfg['workers'])} worker(s)",
             "",
             case.table(),
         ]
@@ -529,6 +532,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--case-rate", type=float, default=500.0, help="offered req/s (500)")
     parser.add_argument("--case-duration", type=float, help="case-study seconds (20; quick 5)")
+    parser.add_argument(
+        "--case-workers",
+        default="1",
+        help="cryptd server workers for the case study: a number or 'same' (1: at 500 req/s"
+        " one worker has the lower latency, no Redis round trip; docs/PERFORMANCE.md)",
+    )
     parser.add_argument("--no-case-study", action="store_true")
     parser.add_argument(
         "--quiet",
@@ -611,9 +620,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             case = None
             if not args.no_case_study:
+                case_workers = workers if args.case_workers == "same" else int(args.case_workers)
+                case_cryptd = cryptd
+                if case_workers != workers:
+                    # Sized for the offered rate: its own server (same keys), up beside the
+                    # other, which idles meanwhile.
+                    case_cryptd = Cryptd(
+                        workdir / "cryptd", case_workers, cryptd_env(case_workers, redis)
+                    )
+                    stack.callback(case_cryptd.stop)
+                    case_cryptd.start()
+                    log(f"case-study cryptd at {case_cryptd.url} ({case_workers} worker(s))")
                 if (cryptd.name, CASE_STUDY.name) not in prepared.files:
                     prepared = prepare(targets, [CASE_STUDY], workdir / "bodies")
-                case = run_case_study(cryptd, bao, prepared, plan)
+                case = run_case_study(case_cryptd, bao, prepared, plan)
+                result["config"]["case_workers"] = case_workers
 
             auth_rows = []
             for name in ("aes-encrypt", "rsa-sign", "aes-batch"):
