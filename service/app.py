@@ -18,8 +18,10 @@ from starlette.responses import Response
 from service import __version__
 from service.api import errors
 from service.api.deps import ReadinessCheck, Services
+from service.api.dispatch import CryptoDispatch
 from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from service.api.routes import crypto, health, keys
+from service.asgi import ASGIApp
 from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
 from service.config import Settings
@@ -168,7 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for writer in logs.writers:
                 writer.close()
 
-    app = FastAPI(
+    app = Service(
         title="cryptd",
         version=__version__,
         description="Encryption as a service: keys stay inside, operations come in over REST.",
@@ -192,36 +194,40 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body, content_type = await run_in_threadpool(metrics.render)
         return Response(body, media_type=content_type)
 
-    # Starlette wraps in reverse order: the last added runs first.
-    app.add_middleware(
-        SignatureAuthMiddleware,
-        registry_provider=auth.clients,
-        replay=auth.replay,
-        rate_limiter=auth.rate_limiter,
-        max_age=settings.signature_max_age,
-        fail_open=settings.replay_fail_open,
-        on_failure=metrics.auth_failure,
-        on_rejection=metrics.rejected,
-    )
-    app.add_middleware(
-        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
-    )
-    app.add_middleware(RequestIdMiddleware)
-    # Outermost: one measurement per request feeds the metrics and the access log.
-    app.add_middleware(
-        _Wrapped, wrap=functools.partial(metrics.asgi_middleware, access_log=logs.access_log)
-    )
+    def edge(fastapi_stack: ASGIApp) -> ASGIApp:
+        # Built inside out: the metrics see every request first, FastAPI's stack last.
+        inner: ASGIApp = CryptoDispatch(fastapi_stack, endpoint=crypto.handle, routes=crypto.ROUTES)
+        inner = SignatureAuthMiddleware(
+            inner,
+            registry_provider=auth.clients,
+            replay=auth.replay,
+            rate_limiter=auth.rate_limiter,
+            max_age=settings.signature_max_age,
+            fail_open=settings.replay_fail_open,
+            on_failure=metrics.auth_failure,
+            on_rejection=metrics.rejected,
+        )
+        inner = BodyLimitMiddleware(
+            inner, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
+        )
+        inner = RequestIdMiddleware(inner)
+        return metrics.asgi_middleware(inner, access_log=logs.access_log)
+
+    app.edge = edge
     return app
 
 
-class _Wrapped:
-    """Adapts a ``wrap(app) -> app`` function to Starlette's middleware list."""
+class Service(FastAPI):
+    """FastAPI with cryptd's edge outside FastAPI's own middleware stack.
 
-    def __init__(self, app: Any, *, wrap: Callable[[Any], Any]) -> None:
-        self._app = wrap(app)
+    Every request passes the edge once (metrics, request id, body limit, signature check);
+    then the crypto operations go straight to their endpoint (:mod:`service.api.dispatch`) and
+    everything else through FastAPI's exception handling and router."""
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self._app(scope, receive, send)
+    edge: Callable[[ASGIApp], ASGIApp] = staticmethod(lambda app: app)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return self.edge(super().build_middleware_stack())
 
 
 def app_factory() -> FastAPI:

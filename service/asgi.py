@@ -14,6 +14,15 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: ``scope["path"]`` without the ``root_path`` it is mounted at."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :]
+    return path
+
+
 def error_body(code: str, message: str) -> bytes:
     return orjson.dumps({"error": {"code": code, "message": message}})
 

@@ -165,9 +165,11 @@ async def test_middleware_overhead_in_process(tmp_path: Path) -> None:
         client = connect(SHARED_REDIS_URL)
         try:
             for concurrency in (1, 16, 64):
-                app = wrap(RedisReplayStore(client), None)
+                store = RedisReplayStore(client)
+                app = wrap(store, None)
                 base_us = await _per_request_us(_ok_app, secret, 2048, concurrency)
                 redis_us = await _per_request_us(app, secret, 2048, concurrency)
+                await store.aclose()
                 lines.append(
                     f"auth middleware, Redis replay store, {concurrency:2d} concurrent: "
                     f"{redis_us - base_us:6.1f} us added"

@@ -326,10 +326,16 @@ def make_app(
         Route("/v1/{op}/{key}", service.operation, methods=["POST"]),
     ]
 
+    replay_store = replay if replay is not None else MemoryReplayStore()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
-        if redis_client is not None:  # closed inside the server's own event loop
+        # Closed inside the server's own event loop.
+        await replay_store.aclose()
+        if rate_limiter is not None:
+            await rate_limiter.aclose()
+        if redis_client is not None:
             await close(redis_client)
 
     inner = Starlette(
@@ -338,7 +344,7 @@ def make_app(
     return SignatureAuthMiddleware(
         inner,
         registry_provider=ClientsFile(clients_file, interval=0.05),
-        replay=replay if replay is not None else MemoryReplayStore(),
+        replay=replay_store,
         rate_limiter=rate_limiter,
         max_age=max_age,
         fail_open=fail_open,

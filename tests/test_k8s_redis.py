@@ -71,6 +71,7 @@ async def test_replay_store_works_with_the_acl(secrets_and_port: tuple[Secrets, 
         assert await store.remember("client-a", nonce, 300) is True
         assert await store.remember("client-a", nonce, 300) is False  # replay refused
         assert await store.remember("client-b", nonce, 300) is True
+        await store.aclose()
 
 
 async def test_rate_limiter_script_works_with_the_acl(
@@ -82,6 +83,7 @@ async def test_rate_limiter_script_works_with_the_acl(
         await limiter.acquire(client_id)
         with pytest.raises(RateLimited):
             await limiter.acquire(client_id)
+        await limiter.aclose()
 
 
 @pytest.mark.parametrize(

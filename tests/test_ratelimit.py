@@ -71,10 +71,10 @@ async def test_redis_bucket_is_shared_and_atomic() -> None:
     require_redis()
     prefix = f"cryptd:test:ratelimit:{uuid.uuid4().hex}:"
     first, second = connect(SHARED_REDIS_URL), connect(SHARED_REDIS_URL)
+    # Two limiters (as in two replicas) share one bucket of 3.
+    one = RedisRateLimiter(first, rate=1, burst=3, prefix=prefix)
+    two = RedisRateLimiter(second, rate=1, burst=3, prefix=prefix)
     try:
-        # Two limiters (as in two replicas) share one bucket of 3.
-        one = RedisRateLimiter(first, rate=1, burst=3, prefix=prefix)
-        two = RedisRateLimiter(second, rate=1, burst=3, prefix=prefix)
         await one.acquire("app")
         await two.acquire("app")
         await one.acquire("app")
@@ -85,6 +85,8 @@ async def test_redis_bucket_is_shared_and_atomic() -> None:
         ttl = await first.pttl(prefix + "app")
         assert 0 < ttl <= 4000  # buckets expire once they would be full again
     finally:
+        await one.aclose()
+        await two.aclose()
         await close(first)
         await close(second)
 
@@ -94,8 +96,8 @@ async def test_redis_outage_falls_back_to_local_buckets(caplog: pytest.LogCaptur
     caplog.set_level(logging.WARNING, logger="cryptd.auth")
     with RedisServer() as private_redis:
         client = connect(private_redis.url)
+        limiter = RedisRateLimiter(client, rate=1, burst=2)
         try:
-            limiter = RedisRateLimiter(client, rate=1, burst=2)
             await limiter.acquire("app")
             private_redis.stop()
             await limiter.acquire("app")  # local bucket: fresh, burst 2
@@ -108,4 +110,5 @@ async def test_redis_outage_falls_back_to_local_buckets(caplog: pytest.LogCaptur
             await limiter.acquire("app")  # Redis again: a new, full bucket there
             assert any("reachable again" in r.getMessage() for r in caplog.records)
         finally:
+            await limiter.aclose()
             await close(client)

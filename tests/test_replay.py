@@ -62,8 +62,8 @@ def test_memory_store_refuses_when_full_instead_of_forgetting() -> None:
 async def test_redis_store_is_atomic_and_expires() -> None:
     require_redis()
     client = connect(SHARED_REDIS_URL)
+    store = RedisReplayStore(client)
     try:
-        store = RedisReplayStore(client)
         nonce = uuid.uuid4().hex
         assert await store.remember("app", nonce, 5)
         assert not await store.remember("app", nonce, 5)
@@ -72,14 +72,15 @@ async def test_redis_store_is_atomic_and_expires() -> None:
         assert 0 < ttl <= 5
         assert await store.ping()
     finally:
+        await store.aclose()
         await close(client)
 
 
 async def test_concurrent_requests_share_one_script_call() -> None:
     require_redis()
     client = connect(SHARED_REDIS_URL)
+    store = RedisReplayStore(client)
     try:
-        store = RedisReplayStore(client)
         nonces = [uuid.uuid4().hex for _ in range(300)]
         # Every nonce twice, the copies interleaved: exactly one of each pair is first.
         results = await asyncio.gather(*(store.remember("app", n, 5) for n in nonces + nonces))
@@ -91,6 +92,7 @@ async def test_concurrent_requests_share_one_script_call() -> None:
         await client.script_flush()
         assert await store.remember("app", uuid.uuid4().hex, 5)
     finally:
+        await store.aclose()
         await close(client)
 
 
@@ -122,6 +124,7 @@ async def test_unreachable_redis_fails_fast() -> None:
     with pytest.raises(StoreUnavailable):
         await store.remember("app", "n", 5)
     assert not await store.ping()
+    await store.aclose()
     await close(client)
 
 

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 
-from service.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
+from service.asgi import ASGIApp, Message, Receive, Scope, Send, route_path, send_error
 from service.auth.clients import Client, ClientRegistry
 from service.auth.ratelimit import RateLimiter
 from service.auth.replay import ReplayStore, StoreUnavailable
@@ -159,11 +159,8 @@ class SignatureAuthMiddleware:
 
 
 def _protected(scope: Scope) -> bool:
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    if root and path.startswith(root):  # mounted under a prefix: judge the app's own path
-        path = path[len(root) :]
-    return path.startswith(PROTECTED_PREFIX)
+    # Mounted under a prefix: judge the app's own path.
+    return route_path(scope).startswith(PROTECTED_PREFIX)
 
 
 def _peer(scope: Scope) -> str:

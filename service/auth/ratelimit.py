@@ -32,6 +32,10 @@ class RateLimiter(Protocol):
         """Take one token for ``client_id`` or raise :class:`~service.errors.RateLimited`."""
         ...
 
+    async def aclose(self) -> None:
+        """Release connections (shutdown)."""
+        ...
+
 
 def default_burst(rate: float, burst: int) -> int:
     """``burst`` if set, else one second's worth of requests (at least 1)."""
@@ -50,6 +54,9 @@ class MemoryRateLimiter:
 
     async def acquire(self, client_id: str) -> None:
         self.acquire_now(client_id, time.monotonic())
+
+    async def aclose(self) -> None:
+        return None
 
     def acquire_now(self, client_id: str, now: float) -> None:
         tokens, at = self._buckets.get(client_id, (float(self.burst), now))
@@ -141,3 +148,6 @@ class RedisRateLimiter:
             raise reply
         allowed, wait = reply
         return int(allowed), wait
+
+    async def aclose(self) -> None:
+        await self._batcher.aclose()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import redis.exceptions
 
 from service.auth.coalesce import Coalescer
-from service.auth.redis_client import execute
+from service.auth.redis_client import SerialConnection
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -40,6 +40,10 @@ class ReplayStore(Protocol):
 
     async def ping(self) -> bool:
         """Whether the store answers (readiness)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections (shutdown)."""
         ...
 
 
@@ -92,6 +96,9 @@ class MemoryReplayStore:
     async def ping(self) -> bool:
         return True
 
+    async def aclose(self) -> None:
+        return None
+
 
 # KEYS: nonce keys; ARGV: their TTLs in seconds. Returns 1 (first time) or 0 per key.
 _SET_MANY_SCRIPT: Final = """
@@ -118,6 +125,7 @@ class RedisReplayStore:
 
     def __init__(self, client: Redis, *, prefix: str = KEY_PREFIX) -> None:
         self._redis = client
+        self._connection = SerialConnection(client)
         self._prefix = prefix
         self._coalescer: Coalescer[tuple[str, int], int] = Coalescer(self._set_many)
 
@@ -133,10 +141,13 @@ class RedisReplayStore:
     async def _set_many(self, items: Sequence[tuple[str, int]]) -> list[int]:
         keys = [key for key, _ in items]
         args = [*keys, *(ttl for _, ttl in items)]
-        try:
-            replies = await execute(self._redis, "EVALSHA", _SET_MANY_SHA, len(keys), *args)
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-            replies = await execute(self._redis, "EVAL", _SET_MANY_SCRIPT, len(keys), *args)
+        (replies,) = await self._connection.pipeline([("EVALSHA", _SET_MANY_SHA, len(keys), *args)])
+        if isinstance(replies, redis.exceptions.NoScriptError):  # Redis restarted or flushed
+            (replies,) = await self._connection.pipeline(
+                [("EVAL", _SET_MANY_SCRIPT, len(keys), *args)]
+            )
+        if isinstance(replies, Exception):
+            raise replies
         return [int(reply) for reply in replies]
 
     async def ping(self) -> bool:
@@ -144,3 +155,6 @@ class RedisReplayStore:
             return bool(await self._redis.ping())
         except (redis.exceptions.RedisError, OSError, TimeoutError):
             return False
+
+    async def aclose(self) -> None:
+        await self._connection.aclose()

@@ -27,6 +27,9 @@ class AuthParts:
     redis: Redis | None
 
     async def aclose(self) -> None:
+        await self.replay.aclose()
+        if self.rate_limiter is not None:
+            await self.rate_limiter.aclose()
         if self.redis is not None:
             await close(self.redis)
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from service.api import deps
@@ -32,7 +33,8 @@ def _check_to_key(request: Request, item: Item) -> None:
         deps.authorize(request, item.to_key, "encrypt")
 
 
-async def _run(request: Request, op: OpName, key: str) -> Response:
+async def handle(request: Request, op: OpName, key: str) -> Response:
+    """The whole operation: policy, body, runner, audit. Raises CryptdError for the error model."""
     if op not in AUDITED:
         return json_response(await _execute(request, op, key))
     try:
@@ -128,7 +130,7 @@ def _register(op: OpName) -> None:
         }
 
     async def endpoint(request: Request, key: str) -> Response:
-        return await _run(request, op, key)
+        return await handle(request, op, key)
 
     endpoint.__name__ = op
     router.add_api_route(
@@ -140,7 +142,12 @@ def _register(op: OpName) -> None:
             "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
         },
     )
+    route = router.routes[-1]
+    assert isinstance(route, APIRoute)
+    ROUTES[op] = route
 
 
+# The declared routes (OpenAPI, metrics labels); requests reach `handle` via api.dispatch.
+ROUTES: dict[OpName, APIRoute] = {}
 for _op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
     _register(_op)

@@ -1,0 +1,63 @@
+"""The crypto operations' fast path: ``POST /v1/{op}/{key}`` goes straight to its endpoint.
+
+FastAPI's route matching, dependency solving, request and exception layers cost ~130 us of a
+~340 us request (docs/PERFORMANCE.md). The crypto routes need none of it: they take the raw body
+and one path segment, and map their own errors. So they are matched here with one split, and
+every other request (key management, health, the OpenAPI document, wrong methods) goes to
+FastAPI. The routes stay declared in FastAPI, so the OpenAPI document and the metrics' route
+labels are the same objects either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.api.errors import cryptd_error_response
+from service.asgi import ASGIApp, Receive, Scope, Send, route_path
+from service.engine import OpName
+from service.errors import CryptdError
+
+Endpoint = Callable[[Request, OpName, str], Awaitable[Response]]
+"""endpoint(request, operation, key) -> response; raises CryptdError for the error model."""
+
+
+class CryptoDispatch:
+    def __init__(self, app: ASGIApp, *, endpoint: Endpoint, routes: Mapping[OpName, Any]) -> None:
+        """``routes`` maps each operation to its FastAPI route (set as ``scope["route"]``, which
+        the metrics read for their label)."""
+        self.app = app
+        self.endpoint = endpoint
+        self.routes: dict[str, tuple[OpName, Any]] = {op: (op, r) for op, r in routes.items()}
+        if not self.routes:
+            raise ValueError("no crypto routes to dispatch")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = self.match(scope)
+        if target is None:
+            await self.app(scope, receive, send)
+            return
+        (operation, route), key = target
+        scope["route"] = route
+        scope["path_params"] = {"key": key}
+        try:
+            response = await self.endpoint(Request(scope, receive), operation, key)
+        except CryptdError as exc:
+            response = cryptd_error_response(exc)
+        await response(scope, receive, send)
+
+    def match(self, scope: Scope) -> tuple[tuple[OpName, Any], str] | None:
+        """((operation, route), key) for a crypto request, else None. ``scope["path"]`` is already
+        percent-decoded, as FastAPI's router sees it; ``{key}`` matches one non-empty segment
+        there too, so both always agree."""
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return None
+        parts = route_path(scope).split("/")
+        if len(parts) == 4 and parts[0] == "" and parts[1] == "v1" and parts[3]:
+            target = self.routes.get(parts[2])
+            if target is not None:
+                return target, parts[3]
+        return None
