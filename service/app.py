@@ -47,7 +47,7 @@ def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[
         metrics.observe_crypto if metrics.multiprocess_dir is not None else None
     )
     by_kind: dict[str, Executor] = {}
-    for kind in sorted(set(settings.executors.values())):
+    for kind in sorted({settings.executor_kind(name) for name in KEY_TYPES}):
         process = kind == "process"
         by_kind[kind] = make_executor(
             kind,
@@ -97,7 +97,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     by_kind = _executors(settings, master_key, metrics)
     runner = CryptoRunner(
         manager,
-        {name: by_kind[settings.executors[name]] for name in KEY_TYPES},
+        {name: by_kind[settings.executor_kind(name)] for name in KEY_TYPES},
+        single_inline=settings.single_items_inline(),
         chunk_size=settings.pool_chunk_size,
         observer=metrics.observe_crypto,
         on_overload=functools.partial(metrics.rejected, "overload"),

@@ -2,7 +2,8 @@
 
 Batches are cut into chunks, one task per chunk, so one round trip to a worker carries many
 operations. Inline work yields to the event loop between chunks so a large batch of cheap
-operations cannot stall other requests.
+operations cannot stall other requests. Key types in ``single_inline`` run a lone item on the
+event loop (no hand-off) and their batches on their executor.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ class CryptoRunner:
         keys: KeyManager,
         executors: Mapping[str, Executor],
         *,
+        single_inline: frozenset[str] = frozenset(),
         chunk_size: int,
         observer: Observer | None = None,
         on_overload: Callable[[], None] | None = None,
     ) -> None:
         self._keys = keys
         self._executors = executors
+        self._single_inline = single_inline
         self._chunk_size = chunk_size
         self._observer = observer
         self._on_overload = on_overload
@@ -42,6 +45,8 @@ class CryptoRunner:
         size = self._chunk_size
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
         executor = self._executors[key.type.name]
+        if len(items) == 1 and key.type.name in self._single_inline:
+            return engine.run_batch(keyring, op, name, items, self._observer)
         if executor.kind == "inline":
             results: list[Outcome] = []
             for index, chunk in enumerate(chunks):

@@ -14,15 +14,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
 
-from service.api.errors import cryptd_error_response
-from service.asgi import ASGIApp, Receive, Scope, Send, route_path
+from service.api.errors import send_cryptd_error
+from service.asgi import ASGIApp, Receive, Scope, Send, route_path, send_json
 from service.engine import OpName
 from service.errors import CryptdError
 
-Endpoint = Callable[[Request, OpName, str], Awaitable[Response]]
-"""endpoint(request, operation, key) -> response; raises CryptdError for the error model."""
+Endpoint = Callable[[Request, OpName, str], Awaitable[bytes]]
+"""endpoint(request, operation, key) -> JSON body of the 200 answer; raises CryptdError for
+the error model."""
 
 
 class CryptoDispatch:
@@ -44,10 +44,11 @@ class CryptoDispatch:
         scope["route"] = route
         scope["path_params"] = {"key": key}
         try:
-            response = await self.endpoint(Request(scope, receive), operation, key)
+            body = await self.endpoint(Request(scope, receive), operation, key)
         except CryptdError as exc:
-            response = cryptd_error_response(exc)
-        await response(scope, receive, send)
+            await send_cryptd_error(send, exc)
+            return
+        await send_json(send, 200, body)
 
     def match(self, scope: Scope) -> tuple[tuple[OpName, Any], str] | None:
         """((operation, route), key) for a crypto request, else None. ``scope["path"]`` is already

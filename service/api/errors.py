@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from service.asgi import error_body
+from service.asgi import Send, error_body, send_error
 from service.errors import CryptdError, Overloaded, RateLimited, SchemaError
 
 log = logging.getLogger("cryptd.api")
@@ -47,11 +47,23 @@ def error_response(
     )
 
 
-def cryptd_error_response(exc: CryptdError) -> Response:
-    headers = None
+def _retry_after(exc: CryptdError) -> str | None:
     if isinstance(exc, Overloaded | RateLimited):
-        headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+        return str(max(1, round(exc.retry_after)))
+    return None
+
+
+def cryptd_error_response(exc: CryptdError) -> Response:
+    retry_after = _retry_after(exc)
+    headers = None if retry_after is None else {"Retry-After": retry_after}
     return error_response(status_for(exc), exc.code, exc.message, headers)
+
+
+async def send_cryptd_error(send: Send, exc: CryptdError) -> None:
+    """:func:`cryptd_error_response`, sent straight to the server (pure ASGI callers)."""
+    retry_after = _retry_after(exc)
+    headers = None if retry_after is None else [(b"retry-after", retry_after.encode())]
+    await send_error(send, status_for(exc), exc.code, exc.message, headers)
 
 
 async def _on_cryptd_error(request: Request, exc: Exception) -> Response:

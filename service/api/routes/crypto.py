@@ -33,10 +33,11 @@ def _check_to_key(request: Request, item: Item) -> None:
         deps.authorize(request, item.to_key, "encrypt")
 
 
-async def handle(request: Request, op: OpName, key: str) -> Response:
-    """The whole operation: policy, body, runner, audit. Raises CryptdError for the error model."""
+async def handle(request: Request, op: OpName, key: str) -> bytes:
+    """The whole operation (policy, body, runner, audit): the JSON body of the 200 answer.
+    Raises CryptdError for the error model."""
     if op not in AUDITED:
-        return json_response(await _execute(request, op, key))
+        return orjson.dumps(await _execute(request, op, key))
     try:
         result = await _execute(request, op, key)
     except CryptdError as exc:
@@ -47,7 +48,7 @@ async def handle(request: Request, op: OpName, key: str) -> Response:
     outcome = "ok" if failures == 0 else ("error" if failures == len(entries) else "partial")
     versions = [e["key_version"] for e in entries if "key_version" in e]
     _audit(request, op, key, outcome, versions, len(entries))
-    return json_response(result)
+    return orjson.dumps(result)
 
 
 def _audit(
@@ -130,7 +131,7 @@ def _register(op: OpName) -> None:
         }
 
     async def endpoint(request: Request, key: str) -> Response:
-        return await handle(request, op, key)
+        return Response(await handle(request, op, key), media_type="application/json")
 
     endpoint.__name__ = op
     router.add_api_route(

@@ -1,0 +1,147 @@
+"""Where work runs (the runner's "mixed" placement) and which requests take the crypto fast
+path. Real keyring, real thread pool, real server; no mocks."""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.api.dispatch import CryptoDispatch
+from service.api.routes import crypto
+from service.config import DEFAULT_EXECUTORS, Settings
+from service.crypto.base import SignOptions
+from service.engine import EncryptItem, SignItem
+from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.masterkey import MasterKey
+from service.pool import make_executor
+from service.runner import CryptoRunner
+from tests.conftest import Server
+
+
+def _manager(tmp_path: Path) -> KeyManager:
+    master = MasterKey(os.urandom(32))
+    path = tmp_path / "keyring.json"
+    create_keyring_file(path, master)
+    manager = KeyManager(path, master)
+    manager.load()
+    manager.create("signing", "rsa-2048")
+    manager.create("data", "aes256-gcm")
+    return manager
+
+
+async def test_mixed_runs_one_item_on_the_loop_and_batches_in_the_pool(tmp_path: Path) -> None:
+    threads: list[int] = []
+
+    def observe(op: str, key_type: str, seconds: float, outcome: str, items: int) -> None:
+        threads.append(threading.get_ident())
+
+    pool = make_executor("thread", workers=1, max_pending=8, deadline=10.0)
+    await pool.start()
+    try:
+        runner = CryptoRunner(
+            _manager(tmp_path),
+            {"rsa-2048": pool, "aes256-gcm": pool},
+            single_inline=frozenset({"rsa-2048"}),
+            chunk_size=64,
+            observer=observe,
+        )
+        item = SignItem(b"message", False, SignOptions(algorithm="pss"), None)
+        (single,) = await runner.run("sign", "signing", [item])
+        assert isinstance(single, dict)
+        assert single["key_version"] == 1
+        assert threads == [threading.get_ident()]  # on the event loop: no hand-off
+
+        threads.clear()
+        outcomes = await runner.run("sign", "signing", [item, item])
+        assert [o["key_version"] for o in outcomes if isinstance(o, dict)] == [1, 1]
+        assert len(threads) == 1
+        assert threads[0] != threading.get_ident()  # a pool thread
+
+        threads.clear()  # a type not listed keeps its executor for single items too
+        await runner.run("encrypt", "data", [EncryptItem(b"x", b"", None)])
+        assert threads[0] != threading.get_ident()
+    finally:
+        await pool.close()
+
+
+def test_mixed_placement_is_configurable_and_runs_batches_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRYPTD_ENV", "development")
+    monkeypatch.setenv("CRYPTD_EXECUTORS", '{"rsa-4096": "mixed", "rsa-2048": "process"}')
+    settings = Settings()
+    assert settings.executors["rsa-4096"] == "mixed"
+    assert settings.executor_kind("rsa-4096") == "thread"
+    assert settings.executor_kind("rsa-2048") == "process"
+    assert settings.single_items_inline() == frozenset(
+        {"rsa-4096"} | {name for name, where in DEFAULT_EXECUTORS.items() if where == "mixed"}
+    ) - {"rsa-2048"}
+    monkeypatch.setenv("CRYPTD_EXECUTORS", '{"rsa-2048": "fiber"}')
+    with pytest.raises(ValueError, match="executors"):
+        Settings()
+
+
+def _scope(method: str, path: str, root_path: str = "") -> dict[str, Any]:
+    return {"type": "http", "method": method, "path": path, "root_path": root_path}
+
+
+def test_dispatch_matches_exactly_the_crypto_routes() -> None:
+    async def other(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    async def endpoint(request: Any, op: Any, key: str) -> bytes:
+        return b"{}"
+
+    dispatch = CryptoDispatch(other, endpoint=endpoint, routes=crypto.ROUTES)
+    for op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
+        target = dispatch.match(_scope("POST", f"/v1/{op}/my-key"))
+        assert target is not None
+        (operation, route), key = target
+        assert (operation, key, route.path) == (op, "my-key", f"/v1/{op}/{{key}}")
+    # Mounted under a prefix: the app's own path decides, as in FastAPI's router.
+    assert dispatch.match(_scope("POST", "/cryptd/v1/sign/k", "/cryptd")) is not None
+    for method, path in [
+        ("GET", "/v1/encrypt/k"),  # FastAPI answers 405
+        ("POST", "/v1/encrypt/"),
+        ("POST", "/v1/encrypt/a/b"),
+        ("POST", "/v1/keys/k"),
+        ("POST", "/v1/encrypt"),
+        ("POST", "/v2/encrypt/k"),
+        ("POST", "/x/v1/encrypt/k"),
+    ]:
+        assert dispatch.match(_scope(method, path)) is None, (method, path)
+    assert dispatch.match({"type": "websocket", "path": "/v1/encrypt/k"}) is None
+    with pytest.raises(ValueError, match="no crypto routes"):
+        CryptoDispatch(other, endpoint=endpoint, routes={})
+
+
+def test_routes_beside_the_fast_path_keep_fastapi_answers(server: Server) -> None:
+    """Requests near the crypto routes still get FastAPI's (contract-shaped) answers, and the
+    fast path's answers carry the same headers as FastAPI's."""
+    wrong_method = server.request("GET", "/v1/encrypt/aes256-gcm")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+    too_deep = server.request("POST", "/v1/encrypt/aes256-gcm/extra", {"plaintext": ""})
+    assert too_deep.status_code == 404
+    assert too_deep.json()["error"]["code"] == "not_found"
+
+    plaintext = base64.b64encode(b"fast path").decode()
+    response = server.request(
+        "POST",
+        "/v1/encrypt/aes256-gcm",
+        {"plaintext": plaintext},
+        headers={"X-Request-ID": "trace-1"},
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-request-id"] == "trace-1"
+    assert int(response.headers["content-length"]) == len(response.content)
+    refused = server.request("POST", "/v1/encrypt/no-such-key", {"plaintext": plaintext})
+    assert refused.status_code == 404
+    assert refused.json()["error"]["code"] == "key_not_found"
+    assert len(refused.headers["x-request-id"]) == 32
