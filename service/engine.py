@@ -7,7 +7,6 @@ The same functions run inline, in a thread, or inside a pool worker process.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import time
@@ -15,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from service import b64 as b64codec
 from service.crypto.base import (
     InvalidCiphertext,
     InvalidOptions,
@@ -93,7 +93,7 @@ REQUIRES: dict[OpName, str] = {
 
 
 def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+    return b64codec.encode(data)
 
 
 def check_operation(key: Key, op: OpName) -> None:
@@ -139,7 +139,7 @@ def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
     if item.aad:
         raise InvalidRequest("aad does not apply to external ciphertext formats")
     try:
-        raw = base64.b64decode(item.ciphertext, validate=True)
+        raw = b64codec.decode(item.ciphertext)
     except ValueError:
         raise InvalidRequest("ciphertext is not valid base64") from None
     kv = key.version(item.key_version)

@@ -4,14 +4,13 @@ malformed item becomes that item's error instead of failing the batch."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from service import b64
 from service.crypto.base import SignOptions
 from service.engine import (
     DatakeyItem,
@@ -84,8 +83,8 @@ class UpdateKeyRequest(BaseModel):
 
 def decode_b64(value: str, field: str) -> bytes:
     try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+        return b64.decode(value)
+    except ValueError:
         raise InvalidRequest(f"'{field}' is not valid base64 (RFC 4648, padded)") from None
 
 

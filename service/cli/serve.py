@@ -13,10 +13,12 @@ import sys
 import tempfile
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import orjson
 
 from service.auth.clients import generate_secret, write_document
+from service.cli.supervisor import Supervisor
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.fileio import atomic_write
@@ -26,6 +28,8 @@ from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
 
 DEV_CLIENT_ID = "dev"
+APP = "service.app:app_factory"
+GRACEFUL_SHUTDOWN_SECONDS = 30
 
 
 def prepare_dev_dir(directory: Path, url: str) -> bool:
@@ -128,27 +132,30 @@ def serve(args: argparse.Namespace) -> int:
     settings.load_master_key()
     _prepare_metrics_dir(settings)
     configure_logging(settings.log_level, settings.access_log, "off")
+    options: dict[str, Any] = {
+        "factory": True,
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "access_log": False,  # cryptd's own access log: one JSON line per request, when enabled
+        "log_config": None,  # uvicorn's loggers go through cryptd's JSON handler
+        "log_level": settings.log_level,
+        "server_header": False,
+        # Clients connect directly (a Kubernetes Service does not proxy HTTP): no
+        # X-Forwarded-For to trust, and one ASGI layer less per request.
+        "proxy_headers": False,
+        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_SECONDS,
+    }
+    if settings.workers > 1:
+        # One listening socket per worker: see service/cli/supervisor.py.
+        config = uvicorn.Config(APP, **options)
+        return Supervisor(config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5).run()
     # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
     # exit, so that re-raise ends the process with status 0 instead of 143.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(
-        "service.app:app_factory",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,  # cryptd's own access log: one JSON line per request, when enabled
-        log_config=None,  # uvicorn's loggers go through cryptd's JSON handler
-        log_level=settings.log_level,
-        server_header=False,
-        # Clients connect directly (a Kubernetes Service does not proxy HTTP): no
-        # X-Forwarded-For to trust, and one ASGI layer less per request.
-        proxy_headers=False,
-        timeout_graceful_shutdown=30,
-    )
+    uvicorn.run(APP, **options)
     return 0
 
 

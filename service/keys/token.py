@@ -11,11 +11,10 @@ another key, another version, or with another ``aad``.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 import struct
 
+from service import b64
 from service.errors import DecryptionFailed, InvalidRequest
 
 PREFIX = "cryptd:v"
@@ -26,7 +25,7 @@ _TOKEN = re.compile(r"cryptd:v([1-9][0-9]{0,9}):([A-Za-z0-9_-]+)\Z")
 
 def encode(version: int, type_id: int, body: bytes) -> str:
     data = _HEADER.pack(FORMAT, type_id) + body
-    return f"{PREFIX}{version}:{base64.urlsafe_b64encode(data).rstrip(b'=').decode('ascii')}"
+    return f"{PREFIX}{version}:{b64.encode_url(data)}"
 
 
 def decode(token: str) -> tuple[int, int, bytes]:
@@ -41,11 +40,11 @@ def decode(token: str) -> tuple[int, int, bytes]:
     version = int(match.group(1))
     text = match.group(2)
     try:
-        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
+        data = b64.decode_url(text)
+    except ValueError:
         raise DecryptionFailed from None
     # One token, one spelling: refuse texts whose unused trailing bits are set.
-    if base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii") != text:
+    if b64.encode_url(data) != text:
         raise DecryptionFailed
     if len(data) < _HEADER.size:
         raise DecryptionFailed
