@@ -21,6 +21,7 @@ from loadtest.openloop import http_request, run_open_loop
 from loadtest.probe import get_request, keepalive_round_trip
 from loadtest.procstat import tree_cpu_seconds
 from loadtest.report import CaseStudy, Comparison, comparison_table, summarize
+from loadtest.run import make_plan, parse_args
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
 from loadtest.targets import find_bao
 from service.auth.signature import sign_request
@@ -295,3 +296,8 @@ def test_runner_end_to_end(tmp_path: Path) -> None:
     assert case["openbao"]["errors"] == 0
     assert "| AES-256-GCM encrypt 1 KiB |" in done.stdout
     assert "Case study" in done.stdout
+
+
+def test_digest_is_computed_once_per_body_unless_asked_every_request() -> None:
+    assert make_plan(parse_args([])).digest_once is True
+    assert make_plan(parse_args(["--digest-every-request"])).digest_once is False
