@@ -3,6 +3,7 @@ worker is replaced, a worker that cannot start stops the server. Real processes 
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -17,6 +18,8 @@ import pytest
 
 from service.cli.serve import prepare_dev_dir
 from service.cli.supervisor import listening_socket
+from service.keys.manager import KeyManager
+from service.keys.masterkey import MasterKey
 from tests.conftest import Server, free_port, start_server, stop_server
 
 
@@ -106,6 +109,31 @@ def test_a_killed_worker_is_replaced_and_the_service_keeps_answering(
     for _ in range(10):  # fresh connections: whichever worker takes them answers
         assert httpx.get(two_workers.url + "/healthz").status_code == 200
     assert two_workers.process.poll() is None
+
+
+def test_sighup_reaches_every_worker(tmp_path: Path) -> None:
+    """SIGHUP to the supervisor (PID 1 in the container) makes every worker reload its
+    keyring; the periodic check is switched off here so only the signal can do it."""
+    server = start_server(tmp_path / "hup", {"CRYPTD_KEYRING_RELOAD_INTERVAL": "3600"}, workers=2)
+    try:
+        dev = server.directory / "dev"
+        master = MasterKey(base64.b64decode((dev / "master.key").read_bytes()))
+        writer = KeyManager(dev / "keyring.json", master)
+        writer.load()
+        writer.create("after-hup", "aes256-gcm")
+        for _ in range(6):  # fresh connections, either worker: not reloaded yet
+            assert server.request("GET", "/v1/keys/after-hup").status_code == 404
+        os.kill(server.process.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        seen = 0
+        while seen < 20:  # 20 fresh connections in a row find the key
+            assert time.monotonic() < deadline, "a worker did not reload"
+            ok = server.request("GET", "/v1/keys/after-hup").status_code == 200
+            seen = seen + 1 if ok else 0
+            time.sleep(0.05)
+        assert server.process.poll() is None  # the supervisor itself carries on
+    finally:
+        stop_server(server)
 
 
 def test_a_worker_that_cannot_start_stops_the_server(

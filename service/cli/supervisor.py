@@ -9,14 +9,16 @@ connections over the workers by their address hash (Linux lets only processes of
 join such a group).
 
 The supervisor starts the workers, replaces one that dies, stops everything when a worker
-cannot start (a broken configuration fails the same way every time), and on SIGTERM or SIGINT
-asks every worker to drain (uvicorn's graceful shutdown) before it exits.
+cannot start (a broken configuration fails the same way every time), passes SIGHUP on to every
+worker (each reloads its keyring), and on SIGTERM or SIGINT asks every worker to drain
+(uvicorn's graceful shutdown) before it exits.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -64,13 +66,16 @@ class Supervisor:
         self.grace = grace
         self._stop = threading.Event()
         self._context = multiprocessing.get_context("spawn")
+        self._processes: list[BaseProcess] = []
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT (status 0) or a worker fails to start (status 1)."""
         listening_socket(self.config.host, self.config.port).close()  # fail early: port taken?
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        processes = [self._start() for _ in range(self.workers)]
+        signal.signal(signal.SIGHUP, self._forward)
+        # The same list the SIGHUP handler reads: replacements are seen there too.
+        processes = self._processes = [self._start() for _ in range(self.workers)]
         started = [time.monotonic()] * self.workers
         failed = False
         while not self._stop.wait(CHECK_INTERVAL):
@@ -105,6 +110,11 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop.set()
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        for process in self._processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signum)
 
     def _stop_all(self, processes: list[BaseProcess]) -> None:
         for process in processes:
