@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     pool_workers: int = Field(default=0, ge=0)  # 0: cores / server workers (docs/EXECUTORS.md)
     pool_max_pending: int = Field(default=2048, ge=1)
     pool_deadline: float = Field(default=5.0, gt=0)
+    # Event-loop lag beyond which crypto requests get 503 at once (service/pool/lag.py).
+    max_loop_lag: float = Field(default=0.25, gt=0)
     pool_chunk_size: int = Field(default=64, ge=1)
     executors: dict[str, Placement] = Field(default_factory=lambda: dict(DEFAULT_EXECUTORS))
 

@@ -3,24 +3,30 @@ path. Real keyring, real thread pool, real server; no mocks."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
 import pytest
 
 from service.api.dispatch import CryptoDispatch
 from service.api.routes import crypto
+from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
 from service.engine import EncryptItem, SignItem
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
 from service.pool import make_executor
+from service.pool.lag import LoopLag
 from service.runner import CryptoRunner
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server
 
 
 def _manager(tmp_path: Path) -> KeyManager:
@@ -145,3 +151,61 @@ def test_routes_beside_the_fast_path_keep_fastapi_answers(server: Server) -> Non
     assert refused.status_code == 404
     assert refused.json()["error"]["code"] == "key_not_found"
     assert len(refused.headers["x-request-id"]) == 32
+
+
+async def test_loop_lag_sees_a_busy_loop_and_its_recovery() -> None:
+    lag = LoopLag(0.05, interval=0.005)
+    assert lag.lag == 0.0  # not started: never overloaded
+    lag.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert not lag.overloaded
+        # Inside one long stretch of work, before the loop can run its timer again:
+        deadline = time.monotonic() + 0.12
+        while time.monotonic() < deadline:
+            pass
+        assert lag.lag > 0.05
+        assert lag.overloaded
+        await asyncio.sleep(0.02)  # the timer ran: on time again
+        assert not lag.overloaded
+    finally:
+        await lag.close()
+    assert lag.lag == 0.0
+    with pytest.raises(ValueError, match="positive"):
+        LoopLag(0)
+
+
+async def test_a_flooded_event_loop_sheds_crypto_requests_at_once(tmp_path: Path) -> None:
+    """Inline work has no executor queue to bound: when requests arrive faster than the loop
+    can do them, the loop's lag decides. RSA-4096 signatures (~3 ms) run inline here, and a
+    burst of them pushes the lag past 50 ms: the surplus gets 503 overloaded with Retry-After
+    before any signing, the rest is served, and the service recovers by itself."""
+    server = start_server(
+        tmp_path / "flood",
+        {"CRYPTD_MAX_LOOP_LAG": "0.05", "CRYPTD_EXECUTORS": '{"rsa-4096": "mixed"}'},
+    )
+    try:
+        body = orjson.dumps({"message": base64.b64encode(b"flood").decode()})
+        path = "/v1/sign/rsa-4096"
+
+        async def one(client: httpx.AsyncClient) -> httpx.Response:
+            headers = sign_request("POST", path, "", body, server.client_id, server.secret)
+            return await client.post(path, content=body, headers=headers)
+
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+            responses = await asyncio.gather(*(one(client) for _ in range(200)))
+            statuses = [r.status_code for r in responses]
+            refused = [r for r in responses if r.status_code == 503]
+            assert set(statuses) <= {200, 503}
+            assert refused, "no request was shed"
+            assert statuses.count(200) > 0
+            for response in refused:
+                assert response.json()["error"]["code"] == "overloaded"
+                assert response.headers["retry-after"] == "1"
+            await asyncio.sleep(0.5)
+            assert (await one(client)).status_code == 200  # recovered
+            metrics = (await client.get("/metrics")).text
+            assert 'cryptd_rejections_total{cause="overload"}' in metrics
+    finally:
+        stop_server(server)

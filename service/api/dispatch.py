@@ -18,7 +18,7 @@ from starlette.requests import Request
 from service.api.errors import send_cryptd_error
 from service.asgi import ASGIApp, Receive, Scope, Send, route_path, send_json
 from service.engine import OpName
-from service.errors import CryptdError
+from service.errors import CryptdError, Overloaded
 
 Endpoint = Callable[[Request, OpName, str], Awaitable[bytes]]
 """endpoint(request, operation, key) -> JSON body of the 200 answer; raises CryptdError for
@@ -26,11 +26,23 @@ the error model."""
 
 
 class CryptoDispatch:
-    def __init__(self, app: ASGIApp, *, endpoint: Endpoint, routes: Mapping[OpName, Any]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        endpoint: Endpoint,
+        routes: Mapping[OpName, Any],
+        overloaded: Callable[[], bool] = lambda: False,
+        on_overload: Callable[[], None] | None = None,
+    ) -> None:
         """``routes`` maps each operation to its FastAPI route (set as ``scope["route"]``, which
-        the metrics read for their label)."""
+        the metrics read for their label). While ``overloaded()`` is true (the event loop runs
+        late: service/pool/lag.py) crypto requests are refused with 503 before any work;
+        ``on_overload`` counts them."""
         self.app = app
         self.endpoint = endpoint
+        self.overloaded = overloaded
+        self.on_overload = on_overload
         self.routes: dict[str, tuple[OpName, Any]] = {op: (op, r) for op, r in routes.items()}
         if not self.routes:
             raise ValueError("no crypto routes to dispatch")
@@ -43,6 +55,11 @@ class CryptoDispatch:
         (operation, route), key = target
         scope["route"] = route
         scope["path_params"] = {"key": key}
+        if self.overloaded():
+            if self.on_overload is not None:
+                self.on_overload()
+            await send_cryptd_error(send, Overloaded("event loop overloaded"))
+            return
         try:
             body = await self.endpoint(Request(scope, receive), operation, key)
         except CryptdError as exc:
