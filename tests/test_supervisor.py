@@ -136,6 +136,38 @@ def test_sighup_reaches_every_worker(tmp_path: Path) -> None:
         stop_server(server)
 
 
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None  # gone (reaped)
+
+
+def test_orphans_of_a_killed_worker_are_reaped_not_left_as_zombies(tmp_path: Path) -> None:
+    """A server worker SIGKILLed leaves its process-pool workers behind; they end (their
+    socket closes) and, reparented to the supervisor, must not stay zombies."""
+    server = start_server(
+        tmp_path / "orphans",
+        {"CRYPTD_EXECUTORS": '{"rsa-2048": "process"}', "CRYPTD_POOL_WORKERS": "1"},
+        workers=2,
+    )
+    try:
+        victim = next(iter(_owners(server, {"0A"})))
+        pool = _children(victim)
+        assert pool, "the worker has no pool processes"
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_state(pid) is not None for pid in pool):
+            states = {pid: _state(pid) for pid in pool}
+            assert time.monotonic() < deadline, f"left behind: {states}"
+            time.sleep(0.2)
+        zombies = [pid for pid in _children(server.process.pid) if _state(pid) == "Z"]
+        assert zombies == []
+        assert server.request("POST", "/v1/sign/rsa-2048", {"message": "bQ=="}).status_code == 200
+    finally:
+        stop_server(server)
+
+
 def test_a_worker_that_cannot_start_stops_the_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

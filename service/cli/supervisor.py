@@ -11,11 +11,16 @@ join such a group).
 The supervisor starts the workers, replaces one that dies, stops everything when a worker
 cannot start (a broken configuration fails the same way every time), passes SIGHUP on to every
 worker (each reloads its keyring), and on SIGTERM or SIGINT asks every worker to drain
-(uvicorn's graceful shutdown) before it exits.
+(uvicorn's graceful shutdown) before it exits. In a container it is PID 1, so it also does an
+init's other job: processes orphaned by a dead worker (its process-pool workers) are reparented
+to it (it declares itself a child subreaper, so this holds outside containers too) and their
+exit status is collected, so none stays a zombie.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -24,12 +29,14 @@ import socket
 import threading
 import time
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 log = logging.getLogger("cryptd.supervisor")
 
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 STARTUP_FAILURE = 3  # uvicorn's exit status for a worker whose startup failed
 FAST_FAILURE_SECONDS = 10.0  # a worker that fails this soon after its start is not retried
 CHECK_INTERVAL = 0.5
@@ -53,6 +60,36 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def become_subreaper() -> bool:
+    """Have orphaned descendants reparented to this process (Linux PR_SET_CHILD_SUBREAPER)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(exclude: set[int | None]) -> list[int]:
+    """Collect the exit status of exited children other than ``exclude`` (the workers, which
+    multiprocessing joins itself). Returns the pids collected."""
+    reaped = []
+    for pid in _children() - {pid for pid in exclude if pid is not None}:
+        with contextlib.suppress(ChildProcessError):
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                reaped.append(pid)
+    return reaped
+
+
+def _children() -> set[int]:
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                found.update(int(pid) for pid in (task / "children").read_text().split())
+    return found
+
+
 def run_worker(config: uvicorn.Config) -> None:
     """One server worker (in its own process): its own socket, then uvicorn as usual."""
     uvicorn.Server(config).run(sockets=[listening_socket(config.host, config.port)])
@@ -74,6 +111,7 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGHUP, self._forward)
+        become_subreaper()
         # The same list the SIGHUP handler reads: replacements are seen there too.
         processes = self._processes = [self._start() for _ in range(self.workers)]
         started = [time.monotonic()] * self.workers
@@ -100,6 +138,7 @@ class Supervisor:
                 )
                 processes[index] = self._start()
                 started[index] = time.monotonic()
+            reap_orphans(exclude={process.pid for process in processes})
         self._stop_all(processes)
         return 1 if failed else 0
 
