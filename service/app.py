@@ -182,30 +182,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for writer in logs.writers:
                 writer.close()
 
-    app = Service(
-        title="cryptd",
-        version=__version__,
-        description="Encryption as a service: keys stay inside, operations come in over REST.",
-        lifespan=lifespan,
-    )
-    app.state.services = Services(
-        keys=manager,
-        runner=runner,
-        max_batch_items=settings.max_batch_items,
-        readiness=readiness,
-        audit=logs.audit,
-    )
-    errors.install(app)
-    app.include_router(health.router)
-    app.include_router(keys.router)
-    app.include_router(crypto.router)
-
-    @app.get("/metrics", include_in_schema=False)
-    async def scrape(request: Request) -> Response:
-        # Reading every process's files takes milliseconds: off the event loop.
-        body, content_type = await run_in_threadpool(metrics.render)
-        return Response(body, media_type=content_type)
-
     def edge(fastapi_stack: ASGIApp) -> ASGIApp:
         # Built inside out: the metrics see every request first, FastAPI's stack last.
         inner: ASGIApp = CryptoDispatch(
@@ -231,7 +207,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         inner = RequestIdMiddleware(inner)
         return metrics.asgi_middleware(inner, access_log=logs.access_log)
 
-    app.edge = edge
+    app = Service(
+        edge=edge,
+        title="cryptd",
+        version=__version__,
+        description="Encryption as a service: keys stay inside, operations come in over REST.",
+        lifespan=lifespan,
+    )
+    app.state.services = Services(
+        keys=manager,
+        runner=runner,
+        max_batch_items=settings.max_batch_items,
+        readiness=readiness,
+        audit=logs.audit,
+    )
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(keys.router)
+    app.include_router(crypto.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape(request: Request) -> Response:
+        # Reading every process's files takes milliseconds: off the event loop.
+        body, content_type = await run_in_threadpool(metrics.render)
+        return Response(body, media_type=content_type)
+
     return app
 
 
@@ -242,10 +242,13 @@ class Service(FastAPI):
     then the crypto operations go straight to their endpoint (:mod:`service.api.dispatch`) and
     everything else through FastAPI's exception handling and router."""
 
-    edge: Callable[[ASGIApp], ASGIApp] = staticmethod(lambda app: app)
+    def __init__(self, *, edge: Callable[[ASGIApp], ASGIApp], **options: Any) -> None:
+        """``edge(fastapi_stack) -> app``: the layers every request passes first."""
+        self._edge = edge
+        super().__init__(**options)
 
     def build_middleware_stack(self) -> ASGIApp:
-        return self.edge(super().build_middleware_stack())
+        return self._edge(super().build_middleware_stack())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette's entry, not FastAPI's: FastAPI's looks up OpenTelemetry providers (and
