@@ -26,8 +26,17 @@ from tests.conftest import Server, free_port, start_server, stop_server
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running = start_server(tmp_path_factory.mktemp("supervised"), workers=2)
+    _wait_for_listeners(running, 2)
     yield running
     stop_server(running)
+
+
+def _wait_for_listeners(server: Server, count: int) -> None:
+    """/readyz answers as soon as one worker is up; wait for every worker's socket."""
+    deadline = time.monotonic() + 60
+    while len(_owners(server, {"0A"})) < count:
+        assert time.monotonic() < deadline, "workers did not all start"
+        time.sleep(0.1)
 
 
 def _children(pid: int) -> set[int]:
@@ -116,6 +125,7 @@ def test_sighup_reaches_every_worker(tmp_path: Path) -> None:
     keyring; the periodic check is switched off here so only the signal can do it."""
     server = start_server(tmp_path / "hup", {"CRYPTD_KEYRING_RELOAD_INTERVAL": "3600"}, workers=2)
     try:
+        _wait_for_listeners(server, 2)
         dev = server.directory / "dev"
         master = MasterKey(base64.b64decode((dev / "master.key").read_bytes()))
         writer = KeyManager(dev / "keyring.json", master)
@@ -152,6 +162,7 @@ def test_orphans_of_a_killed_worker_are_reaped_not_left_as_zombies(tmp_path: Pat
         workers=2,
     )
     try:
+        _wait_for_listeners(server, 2)
         victim = next(iter(_owners(server, {"0A"})))
         pool = _children(victim)
         assert pool, "the worker has no pool processes"

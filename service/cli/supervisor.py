@@ -92,6 +92,9 @@ def _children() -> set[int]:
 
 def run_worker(config: uvicorn.Config) -> None:
     """One server worker (in its own process): its own socket, then uvicorn as usual."""
+    # A SIGHUP passed on while this worker still starts must not end it (the default action);
+    # the app installs its keyring-reload handler at startup, and loads the keyring then anyway.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     uvicorn.Server(config).run(sockets=[listening_socket(config.host, config.port)])
 
 
