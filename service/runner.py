@@ -45,9 +45,8 @@ class CryptoRunner:
         size = self._chunk_size
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
         executor = self._executors[key.type.name]
-        if len(items) == 1 and key.type.name in self._single_inline:
-            return engine.run_batch(keyring, op, name, items, self._observer)
-        if executor.kind == "inline":
+        single_inline = len(items) == 1 and key.type.name in self._single_inline
+        if executor.kind == "inline" or single_inline:
             results: list[Outcome] = []
             for index, chunk in enumerate(chunks):
                 if index:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import threading
 import time
 from pathlib import Path
@@ -21,20 +20,16 @@ from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
 from service.engine import EncryptItem, SignItem
-from service.keys.manager import KeyManager, create_keyring_file
-from service.keys.masterkey import MasterKey
+from service.keys.manager import KeyManager
 from service.pool import make_executor
 from service.pool.lag import LoopLag
 from service.runner import CryptoRunner
 from tests.conftest import Server, start_server, stop_server
+from tests.test_token import new_manager
 
 
 def _manager(tmp_path: Path) -> KeyManager:
-    master = MasterKey(os.urandom(32))
-    path = tmp_path / "keyring.json"
-    create_keyring_file(path, master)
-    manager = KeyManager(path, master)
-    manager.load()
+    manager = new_manager(tmp_path)
     manager.create("signing", "rsa-2048")
     manager.create("data", "aes256-gcm")
     return manager

@@ -114,8 +114,3 @@ class PipelineBatcher:
 
     async def aclose(self) -> None:
         await self._connection.aclose()
-
-
-async def execute(client: Redis, *command: Any) -> Any:
-    """``client.execute_command(*command)`` (redis-py leaves that method untyped)."""
-    return await client.execute_command(*command)  # type: ignore[no-untyped-call]
