@@ -94,6 +94,14 @@ class Overloaded(CryptdError):
         return (type(self), (self.message, self.retry_after))
 
 
+class KeystoreUnavailable(CryptdError):
+    """The key store failed verification or could not be read or written: key management is
+    refused and nothing was changed; crypto keeps serving the keyring in memory."""
+
+    code = "keystore_unavailable"
+    default_message = "the key store is unavailable; nothing was changed"
+
+
 class Internal(CryptdError):
     code = "internal"
     default_message = "internal error"

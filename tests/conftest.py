@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,17 @@ class Server:
 
 
 def start_server(
-    directory: Path, env: Mapping[str, str] | None = None, *, workers: int = 1
+    directory: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    workers: int = 1,
+    prefix: Sequence[str] = (),
+    state_view: Callable[[int], Path] | None = None,
 ) -> Server:
+    """``cryptd serve --dev`` in ``directory`` (its state in ``directory/dev`` unless ``env``
+    sets ``CRYPTD_DEV_DIR``). ``prefix`` runs the server under another command (``unshare``,
+    ``setpriv``); ``state_view(pid)`` is where this process sees the development state when
+    the server's view differs (a private mount namespace: ``/proc/<pid>/root/...``)."""
     port = free_port()
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / "server.log"
@@ -89,7 +98,7 @@ def start_server(
     }
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+            [*prefix, sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
             cwd=directory,
             env=full_env,
             stdout=log,
@@ -107,7 +116,8 @@ def start_server(
             process.kill()
             raise RuntimeError(f"server not ready: {log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)
-    credential = orjson.loads((directory / "dev" / "client.json").read_bytes())
+    state = state_view(process.pid) if state_view else Path(full_env["CRYPTD_DEV_DIR"])
+    credential = orjson.loads((state / "client.json").read_bytes())
     return Server(
         process,
         url,

@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "payload_too_large": 413,
     "rate_limited": 429,
     "overloaded": 503,
+    "keystore_unavailable": 503,
     "internal": 500,
 }
 

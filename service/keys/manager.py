@@ -13,16 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from service.crypto.registry import KEY_TYPES
-from service.errors import Conflict, InvalidRequest, KeyNotFound
-from service.fileio import FileStamp, file_stamp
+from service.errors import Conflict, InvalidRequest, KeyNotFound, KeystoreUnavailable
+from service.fileio import FileStamp, atomic_write, file_stamp
 from service.keys.keyring import Key, Keyring, check_key_name
-from service.keys.masterkey import MasterKey
+from service.keys.masterkey import MasterKey, WrongMasterKey
 from service.keys.store import (
     KeyRecord,
     KeyringDocument,
     KeyringFile,
     KeyringFileError,
     VersionRecord,
+    generation_of,
     utc_now,
 )
 
@@ -102,15 +103,48 @@ class KeyManager:
     # Key management -----------------------------------------------------------------------
 
     def _mutate(self, change: Callable[[KeyringDocument], None]) -> Keyring:
+        """Read the file under its lock, verify it fully, apply ``change``, build the new
+        keyring and only then write it. A file that fails verification is never rewritten (its
+        MAC would launder the damage); a write that fails leaves the file and the keyring in
+        memory as they were. Both answer 503 ``keystore_unavailable``."""
         if self._read_only:
             raise Conflict("the keyring is read-only on this instance; manage keys with the CLI")
-        with self._lock, self.file.locked():
-            document, _ = self.file.read()
-            if document.master_key_id != self._master.key_id:
-                raise KeyringFileError("keyring was written under another master key")
-            change(document)
-            generation = self.file.write(document, self._master)
-            self._keyring = document.build(self._master, generation, self._activation_delay)
+        with self._lock:
+            try:
+                with self.file.locked():
+                    try:
+                        data = self.file.path.read_bytes()
+                    except OSError as exc:
+                        raise _unavailable(
+                            f"the keyring file cannot be read ({exc.strerror})"
+                        ) from None
+                    try:
+                        document = KeyringDocument.from_bytes(data)
+                        document.verify(self._master)
+                    except KeyringFileError as exc:
+                        raise _refused(str(exc)) from None
+                    change(document)
+                    data = document.to_bytes(self._master)
+                    try:
+                        keyring = document.build(
+                            self._master, generation_of(data), self._activation_delay
+                        )
+                    except Exception as exc:
+                        reason = (
+                            str(exc)
+                            if isinstance(exc, KeyringFileError | WrongMasterKey)
+                            else type(exc).__name__
+                        )
+                        raise _refused(f"keyring does not load: {reason}") from None
+                    try:
+                        atomic_write(self.file.path, data)
+                    except OSError as exc:
+                        raise _unavailable(
+                            f"the keyring file could not be written ({exc.strerror})"
+                        ) from None
+            except OSError as exc:  # the lock file
+                raise _unavailable(f"the keyring lock cannot be taken ({exc.strerror})") from None
+            self._keyring = keyring
             self._stamp = file_stamp(self.file.path)
             self.last_reload_error = None
             return self._keyring
@@ -193,6 +227,23 @@ class KeyManager:
             del document.keys[name]
 
         self._mutate(change)
+
+
+def _refused(reason: str) -> KeystoreUnavailable:
+    log.error("key management refused: the keyring failed verification", extra={"reason": reason})
+    return KeystoreUnavailable(
+        f"the key store failed verification ({reason}); key management is refused and "
+        "nothing was changed. Crypto keeps serving the keyring loaded before. Restore the "
+        "keyring from a backup (or undo the edit), then retry."
+    )
+
+
+def _unavailable(reason: str) -> KeystoreUnavailable:
+    log.error("key management refused: the key store is unavailable", extra={"reason": reason})
+    return KeystoreUnavailable(
+        f"{reason}; nothing was changed and the keyring in memory still serves. Free space or "
+        "fix the file's permissions, then retry."
+    )
 
 
 def _record(document: KeyringDocument, name: str) -> KeyRecord:

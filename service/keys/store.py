@@ -138,8 +138,8 @@ class KeyringDocument:
         except Exception as exc:  # any structural problem; never echo file content
             raise KeyringFileError(f"malformed keyring file ({type(exc).__name__})") from None
 
-    def build(self, master: MasterKey, generation: str, activation_delay: float = 0.0) -> Keyring:
-        """Unwrap and parse every version: the only place material is decrypted."""
+    def verify(self, master: MasterKey) -> None:
+        """Refuse a document written under another master key or whose MAC does not verify."""
         if self.master_key_id != master.key_id:
             raise KeyringFileError(
                 f"keyring was written under master key {self.master_key_id}, "
@@ -147,6 +147,10 @@ class KeyringDocument:
             )
         if not master.verify_mac(self.canonical(), self.mac):
             raise KeyringFileError("keyring integrity check failed (metadata altered)")
+
+    def build(self, master: MasterKey, generation: str, activation_delay: float = 0.0) -> Keyring:
+        """Unwrap and parse every version: the only place material is decrypted."""
+        self.verify(master)
         keys: dict[str, Key] = {}
         for name, rec in self.keys.items():
             key_type = KEY_TYPES[rec.type]
