@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 import orjson
@@ -12,6 +14,20 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}\Z")
+
+
+def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The client's ``X-Request-ID`` if it is sane (names lower-case, as servers give them),
+    else a fresh one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if _CLIENT_REQUEST_ID.match(value):
+                return value
+            break
+    return secrets.token_hex(16).encode()  # a uuid4's 32 hex digits, cheaper
 
 
 def route_path(scope: Scope) -> str:

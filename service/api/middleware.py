@@ -4,15 +4,11 @@ errors, and the body-size limit."""
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 from collections.abc import Callable
 
-from service.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
+from service.asgi import ASGIApp, Message, Receive, Scope, Send, request_id, send_error
 
 log = logging.getLogger("cryptd.api")
-
-_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}\Z")
 
 
 class RequestIdMiddleware:
@@ -26,21 +22,15 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = b""
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                request_id = value
-                break
-        if not _CLIENT_REQUEST_ID.match(request_id):
-            request_id = secrets.token_hex(16).encode()  # a uuid4's 32 hex digits, cheaper
-        scope.setdefault("state", {})["request_id"] = request_id.decode()
+        rid = request_id(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = rid.decode()
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
             await send(message)
 
         try:
@@ -48,7 +38,7 @@ class RequestIdMiddleware:
         except Exception as exc:
             log.error(
                 "request failed",
-                extra={"error_type": type(exc).__name__, "request_id": request_id.decode()},
+                extra={"error_type": type(exc).__name__, "request_id": rid.decode()},
             )
             if not started:
                 await send_error(send_with_id, 500, "internal", "internal error")

@@ -21,6 +21,7 @@ from service.auth.clients import generate_secret, write_document
 from service.cli.supervisor import Supervisor
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
+from service.edge.protocol import EdgeProtocol
 from service.fileio import atomic_write
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
@@ -137,7 +138,10 @@ def serve(args: argparse.Namespace) -> int:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
+        # uvicorn's httptools protocol with cryptd's edge rules (service/edge/protocol.py);
+        # no WebSocket protocol: every Upgrade offer is ignored and served as HTTP/1.1.
+        "http": EdgeProtocol,
+        "ws": "none",
         "lifespan": "on",
         "access_log": False,  # cryptd's own access log: one JSON line per request, when enabled
         "log_config": None,  # uvicorn's loggers go through cryptd's JSON handler
