@@ -22,7 +22,7 @@ from service.api import errors
 from service.api.deps import ReadinessCheck, Services
 from service.api.dispatch import CryptoDispatch
 from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from service.api.routes import crypto, health, keys
+from service.api.routes import crypto, health, keys, random
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
@@ -225,6 +225,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(keys.router)
     app.include_router(crypto.router)
+    app.include_router(random.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape(request: Request) -> Response:

@@ -145,6 +145,12 @@ class SignResult:
 
 
 @dataclass(frozen=True, slots=True)
+class MacResult:
+    mac: str
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
 class DataKey:
     plaintext: bytes = field(repr=False)
     ciphertext: str
@@ -246,6 +252,10 @@ def _verify_result(data: Mapping[str, Any]) -> bool:
     return valid
 
 
+def _mac_result(data: Mapping[str, Any]) -> MacResult:
+    return MacResult(mac=data["mac"], key_version=int(data["key_version"]))
+
+
 def _datakey_result(data: Mapping[str, Any]) -> DataKey:
     return DataKey(
         plaintext=_unb64(data["plaintext"]),
@@ -276,9 +286,13 @@ def _exactly_one(message: bytes | None, digest: bytes | None) -> None:
 
 
 def _encrypt(
-    key: str, plaintext: bytes, aad: bytes | None, key_version: int | None
+    key: str,
+    plaintext: bytes,
+    aad: bytes | None,
+    key_version: int | None,
+    context: bytes | None = None,
 ) -> _Call[EncryptResult]:
-    body = _body(plaintext=plaintext, aad=aad, key_version=key_version)
+    body = _body(plaintext=plaintext, aad=aad, key_version=key_version, context=context)
     return _Call("POST", _key_path("encrypt", key), body, _encrypt_result)
 
 
@@ -288,8 +302,11 @@ def _decrypt(
     aad: bytes | None,
     format: str | None,
     key_version: int | None,
+    context: bytes | None = None,
 ) -> _Call[DecryptResult]:
-    body = _body(ciphertext=ciphertext, aad=aad, format=format, key_version=key_version)
+    body = _body(
+        ciphertext=ciphertext, aad=aad, format=format, key_version=key_version, context=context
+    )
     return _Call("POST", _key_path("decrypt", key), body, _decrypt_result)
 
 
@@ -304,14 +321,57 @@ def _verify(key: str, fields: Mapping[str, Any]) -> _Call[bool]:
 
 
 def _rewrap(
-    key: str, ciphertext: str, aad: bytes | None, to_key: str | None
+    key: str,
+    ciphertext: str,
+    aad: bytes | None,
+    to_key: str | None,
+    context: bytes | None = None,
 ) -> _Call[EncryptResult]:
-    body = _body(ciphertext=ciphertext, aad=aad, to_key=to_key)
+    body = _body(ciphertext=ciphertext, aad=aad, to_key=to_key, context=context)
     return _Call("POST", _key_path("rewrap", key), body, _encrypt_result)
 
 
-def _datakey(key: str, bits: int, aad: bytes | None) -> _Call[DataKey]:
-    return _Call("POST", _key_path("datakey", key), _body(bits=bits, aad=aad), _datakey_result)
+def _datakey(
+    key: str, bits: int, aad: bytes | None, context: bytes | None = None
+) -> _Call[DataKey]:
+    body = _body(bits=bits, aad=aad, context=context)
+    return _Call("POST", _key_path("datakey", key), body, _datakey_result)
+
+
+def _datakey_wrapped(
+    key: str, bits: int, aad: bytes | None, context: bytes | None
+) -> _Call[EncryptResult]:
+    body = _body(bits=bits, aad=aad, context=context, plaintext=False)
+    return _Call("POST", _key_path("datakey", key), body, _encrypt_result)
+
+
+def _hmac(
+    key: str, message: bytes, key_version: int | None, context: bytes | None
+) -> _Call[MacResult]:
+    body = _body(message=message, key_version=key_version, context=context)
+    return _Call("POST", _key_path("hmac", key), body, _mac_result)
+
+
+def _verify_mac(
+    key: str, message: bytes, mac: str, key_version: int | None, context: bytes | None
+) -> _Call[bool]:
+    body = _body(message=message, mac=mac, key_version=key_version, context=context)
+    return _Call("POST", _key_path("verify", key), body, _verify_result)
+
+
+def _random(size: int) -> _Call[bytes]:
+    return _Call("POST", "/v1/random", {"bytes": size}, lambda data: _unb64(data["random"]))
+
+
+def _create_key(
+    key: str, type: str, deletion_allowed: bool, derived: bool, convergent: bool
+) -> _Call[KeyMetadata]:
+    body: dict[str, Any] = {"type": type, "deletion_allowed": deletion_allowed}
+    if derived:
+        body["derived"] = True
+    if convergent:
+        body["convergent"] = True
+    return _key_call("POST", key, body)
 
 
 def _list_keys() -> _Call[list[KeyMetadata]]:
@@ -546,8 +606,9 @@ class CryptdClient(_Base):
         *,
         aad: bytes | None = None,
         key_version: int | None = None,
+        context: bytes | None = None,
     ) -> EncryptResult:
-        return self._run(_encrypt(key, plaintext, aad, key_version))
+        return self._run(_encrypt(key, plaintext, aad, key_version, context))
 
     def decrypt(
         self,
@@ -557,8 +618,9 @@ class CryptdClient(_Base):
         aad: bytes | None = None,
         format: str | None = None,
         key_version: int | None = None,
+        context: bytes | None = None,
     ) -> DecryptResult:
-        return self._run(_decrypt(key, ciphertext, aad, format, key_version))
+        return self._run(_decrypt(key, ciphertext, aad, format, key_version, context))
 
     def sign(
         self,
@@ -570,6 +632,7 @@ class CryptdClient(_Base):
         signer_id: str | None = None,
         encoding: str | None = None,
         key_version: int | None = None,
+        hash_algorithm: str | None = None,
     ) -> SignResult:
         return self._run(
             _sign(
@@ -581,6 +644,7 @@ class CryptdClient(_Base):
                     "signer_id": signer_id,
                     "encoding": encoding,
                     "key_version": key_version,
+                    "hash_algorithm": hash_algorithm,
                 },
             )
         )
@@ -596,6 +660,7 @@ class CryptdClient(_Base):
         signer_id: str | None = None,
         encoding: str | None = None,
         key_version: int | None = None,
+        hash_algorithm: str | None = None,
     ) -> bool:
         return self._run(
             _verify(
@@ -608,17 +673,67 @@ class CryptdClient(_Base):
                     "signer_id": signer_id,
                     "encoding": encoding,
                     "key_version": key_version,
+                    "hash_algorithm": hash_algorithm,
                 },
             )
         )
 
-    def rewrap(
-        self, key: str, ciphertext: str, *, aad: bytes | None = None, to_key: str | None = None
-    ) -> EncryptResult:
-        return self._run(_rewrap(key, ciphertext, aad, to_key))
+    def hmac(
+        self,
+        key: str,
+        message: bytes,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> MacResult:
+        return self._run(_hmac(key, message, key_version, context))
 
-    def datakey(self, key: str, bits: int = 256, aad: bytes | None = None) -> DataKey:
-        return self._run(_datakey(key, bits, aad))
+    def verify_mac(
+        self,
+        key: str,
+        message: bytes,
+        mac: str,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> bool:
+        return self._run(_verify_mac(key, message, mac, key_version, context))
+
+    def random(self, size: int) -> bytes:
+        """``size`` (1 to 65,536) bytes from the server's CSPRNG."""
+        return self._run(_random(size))
+
+    def rewrap(
+        self,
+        key: str,
+        ciphertext: str,
+        *,
+        aad: bytes | None = None,
+        to_key: str | None = None,
+        context: bytes | None = None,
+    ) -> EncryptResult:
+        return self._run(_rewrap(key, ciphertext, aad, to_key, context))
+
+    def datakey(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> DataKey:
+        return self._run(_datakey(key, bits, aad, context))
+
+    def datakey_wrapped(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> EncryptResult:
+        """A fresh data key, returned only wrapped (``plaintext: false``)."""
+        return self._run(_datakey_wrapped(key, bits, aad, context))
 
     def list_keys(self) -> list[KeyMetadata]:
         return self._run(_list_keys())
@@ -626,10 +741,16 @@ class CryptdClient(_Base):
     def get_key(self, key: str) -> KeyMetadata:
         return self._run(_key_call("GET", key, None))
 
-    def create_key(self, key: str, type: str, deletion_allowed: bool = False) -> KeyMetadata:
-        return self._run(
-            _key_call("POST", key, {"type": type, "deletion_allowed": deletion_allowed})
-        )
+    def create_key(
+        self,
+        key: str,
+        type: str,
+        deletion_allowed: bool = False,
+        *,
+        derived: bool = False,
+        convergent: bool = False,
+    ) -> KeyMetadata:
+        return self._run(_create_key(key, type, deletion_allowed, derived, convergent))
 
     def rotate_key(self, key: str) -> KeyMetadata:
         return self._run(_rotate_key(key))
@@ -691,6 +812,23 @@ class CryptdClient(_Base):
     ) -> list[EncryptResult | CryptdAPIError]:
         return self._run_batches("rewrap", key, _ciphertext_items(items), _encrypt_result)
 
+    def hmac_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> list[MacResult | CryptdAPIError]:
+        """Items are messages or ``{"message", "key_version"?, "context"?}`` mappings."""
+        return self._run_batches("hmac", key, _sign_items(items), _mac_result)
+
+    def datakey_batch(
+        self, key: str, items: Sequence[Mapping[str, Any]]
+    ) -> list[DataKey | EncryptResult | CryptdAPIError]:
+        """Items are ``{"bits"?, "aad"?, "plaintext"?, "context"?}`` mappings; an item with
+        ``"plaintext": False`` gives an EncryptResult (the wrapped key only)."""
+
+        def parse(data: Mapping[str, Any]) -> DataKey | EncryptResult:
+            return _datakey_result(data) if "plaintext" in data else _encrypt_result(data)
+
+        return self._run_batches("datakey", key, items, parse)
+
 
 # --------------------------------------------------------------------------------------------
 # Async client (same methods, awaited)
@@ -747,8 +885,9 @@ class AsyncCryptdClient(_Base):
         *,
         aad: bytes | None = None,
         key_version: int | None = None,
+        context: bytes | None = None,
     ) -> EncryptResult:
-        return await self._run(_encrypt(key, plaintext, aad, key_version))
+        return await self._run(_encrypt(key, plaintext, aad, key_version, context))
 
     async def decrypt(
         self,
@@ -758,8 +897,9 @@ class AsyncCryptdClient(_Base):
         aad: bytes | None = None,
         format: str | None = None,
         key_version: int | None = None,
+        context: bytes | None = None,
     ) -> DecryptResult:
-        return await self._run(_decrypt(key, ciphertext, aad, format, key_version))
+        return await self._run(_decrypt(key, ciphertext, aad, format, key_version, context))
 
     async def sign(
         self,
@@ -771,6 +911,7 @@ class AsyncCryptdClient(_Base):
         signer_id: str | None = None,
         encoding: str | None = None,
         key_version: int | None = None,
+        hash_algorithm: str | None = None,
     ) -> SignResult:
         return await self._run(
             _sign(
@@ -782,6 +923,7 @@ class AsyncCryptdClient(_Base):
                     "signer_id": signer_id,
                     "encoding": encoding,
                     "key_version": key_version,
+                    "hash_algorithm": hash_algorithm,
                 },
             )
         )
@@ -797,6 +939,7 @@ class AsyncCryptdClient(_Base):
         signer_id: str | None = None,
         encoding: str | None = None,
         key_version: int | None = None,
+        hash_algorithm: str | None = None,
     ) -> bool:
         return await self._run(
             _verify(
@@ -809,17 +952,67 @@ class AsyncCryptdClient(_Base):
                     "signer_id": signer_id,
                     "encoding": encoding,
                     "key_version": key_version,
+                    "hash_algorithm": hash_algorithm,
                 },
             )
         )
 
-    async def rewrap(
-        self, key: str, ciphertext: str, *, aad: bytes | None = None, to_key: str | None = None
-    ) -> EncryptResult:
-        return await self._run(_rewrap(key, ciphertext, aad, to_key))
+    async def hmac(
+        self,
+        key: str,
+        message: bytes,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> MacResult:
+        return await self._run(_hmac(key, message, key_version, context))
 
-    async def datakey(self, key: str, bits: int = 256, aad: bytes | None = None) -> DataKey:
-        return await self._run(_datakey(key, bits, aad))
+    async def verify_mac(
+        self,
+        key: str,
+        message: bytes,
+        mac: str,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> bool:
+        return await self._run(_verify_mac(key, message, mac, key_version, context))
+
+    async def random(self, size: int) -> bytes:
+        """``size`` (1 to 65,536) bytes from the server's CSPRNG."""
+        return await self._run(_random(size))
+
+    async def rewrap(
+        self,
+        key: str,
+        ciphertext: str,
+        *,
+        aad: bytes | None = None,
+        to_key: str | None = None,
+        context: bytes | None = None,
+    ) -> EncryptResult:
+        return await self._run(_rewrap(key, ciphertext, aad, to_key, context))
+
+    async def datakey(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> DataKey:
+        return await self._run(_datakey(key, bits, aad, context))
+
+    async def datakey_wrapped(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> EncryptResult:
+        """A fresh data key, returned only wrapped (``plaintext: false``)."""
+        return await self._run(_datakey_wrapped(key, bits, aad, context))
 
     async def list_keys(self) -> list[KeyMetadata]:
         return await self._run(_list_keys())
@@ -827,9 +1020,16 @@ class AsyncCryptdClient(_Base):
     async def get_key(self, key: str) -> KeyMetadata:
         return await self._run(_key_call("GET", key, None))
 
-    async def create_key(self, key: str, type: str, deletion_allowed: bool = False) -> KeyMetadata:
-        body = {"type": type, "deletion_allowed": deletion_allowed}
-        return await self._run(_key_call("POST", key, body))
+    async def create_key(
+        self,
+        key: str,
+        type: str,
+        deletion_allowed: bool = False,
+        *,
+        derived: bool = False,
+        convergent: bool = False,
+    ) -> KeyMetadata:
+        return await self._run(_create_key(key, type, deletion_allowed, derived, convergent))
 
     async def rotate_key(self, key: str) -> KeyMetadata:
         return await self._run(_rotate_key(key))
@@ -886,3 +1086,20 @@ class AsyncCryptdClient(_Base):
         self, key: str, items: Sequence[str | Mapping[str, Any]]
     ) -> list[EncryptResult | CryptdAPIError]:
         return await self._run_batches("rewrap", key, _ciphertext_items(items), _encrypt_result)
+
+    async def hmac_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> list[MacResult | CryptdAPIError]:
+        """Items are messages or ``{"message", "key_version"?, "context"?}`` mappings."""
+        return await self._run_batches("hmac", key, _sign_items(items), _mac_result)
+
+    async def datakey_batch(
+        self, key: str, items: Sequence[Mapping[str, Any]]
+    ) -> list[DataKey | EncryptResult | CryptdAPIError]:
+        """Items are ``{"bits"?, "aad"?, "plaintext"?, "context"?}`` mappings; an item with
+        ``"plaintext": False`` gives an EncryptResult (the wrapped key only)."""
+
+        def parse(data: Mapping[str, Any]) -> DataKey | EncryptResult:
+            return _datakey_result(data) if "plaintext" in data else _encrypt_result(data)
+
+        return await self._run_batches("datakey", key, items, parse)

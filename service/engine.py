@@ -18,6 +18,7 @@ from service import b64 as b64codec
 from service.crypto.base import (
     InvalidCiphertext,
     InvalidOptions,
+    KeyHandle,
     SignOptions,
     UnsupportedOperation,
 )
@@ -28,7 +29,7 @@ from service.keys.keyring import Key, Keyring, KeyVersion
 log = logging.getLogger("cryptd.engine")
 
 NO_OPTIONS = SignOptions()
-OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"]
+OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac"]
 Result = dict[str, Any]
 # observer(operation, key_type, seconds, outcome, items)
 Observer = Callable[[str, str, float, str, int], None]
@@ -39,6 +40,7 @@ class EncryptItem:
     plaintext: bytes
     aad: bytes = b""
     key_version: int | None = None
+    context: bytes | None = None  # derived keys only
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class DecryptItem:
     aad: bytes = b""
     format: str | None = None
     key_version: int | None = None
+    context: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,19 +70,48 @@ class VerifyItem:
 
 
 @dataclass(frozen=True, slots=True)
+class MacVerifyItem:
+    """``verify`` with ``mac`` (HMAC keys) instead of ``signature``."""
+
+    mac: str
+    data: bytes
+    key_version: int | None = None
+    context: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RewrapItem:
     ciphertext: str
     aad: bytes = b""
     to_key: str | None = None
+    context: bytes | None = None  # for whichever of the two keys is derived
 
 
 @dataclass(frozen=True, slots=True)
 class DatakeyItem:
     bits: int = 256
     aad: bytes = b""
+    plaintext: bool = True  # False: the wrapped key only (KMS GenerateDataKeyWithoutPlaintext)
+    context: bytes | None = None
 
 
-Item = EncryptItem | DecryptItem | SignItem | VerifyItem | RewrapItem | DatakeyItem
+@dataclass(frozen=True, slots=True)
+class HmacItem:
+    data: bytes
+    key_version: int | None = None
+    context: bytes | None = None
+
+
+Item = (
+    EncryptItem
+    | DecryptItem
+    | SignItem
+    | VerifyItem
+    | MacVerifyItem
+    | RewrapItem
+    | DatakeyItem
+    | HmacItem
+)
 
 # Which key capability each API operation needs.
 REQUIRES: dict[OpName, str] = {
@@ -89,6 +121,7 @@ REQUIRES: dict[OpName, str] = {
     "verify": "verify",
     "rewrap": "decrypt",
     "datakey": "encrypt",
+    "hmac": "hmac",
 }
 
 
@@ -102,35 +135,53 @@ def check_operation(key: Key, op: OpName) -> None:
         raise InvalidRequest(f"key type {key.type.name} does not support {op}")
 
 
-def _seal(key: Key, version: int | None, plaintext: bytes, aad: bytes) -> Result:
+def _handle(kv: KeyVersion, context: bytes | None) -> KeyHandle:
+    """The version's key, or the key derived for ``context``: a context on a key that is not
+    derived, or none on one that is, is refused by the handle (400)."""
+    return kv.handle if context is None else kv.handle.for_context(context)
+
+
+def _seal(
+    key: Key, version: int | None, plaintext: bytes, aad: bytes, context: bytes | None
+) -> Result:
     kv = key.version(version)
     ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
-    body = kv.handle.encrypt(plaintext, ad)
+    body = _handle(kv, context).encrypt(plaintext, ad)
     return {
         "ciphertext": token.encode(kv.version, key.type.type_id, body),
         "key_version": kv.version,
     }
 
 
-def _open(key: Key, ciphertext: str, aad: bytes, key_version: int | None) -> tuple[bytes, int]:
-    version, type_id, body = token.decode(ciphertext)
+def _token_version(key: Key, text: str, key_version: int | None) -> tuple[KeyVersion, bytes]:
+    """The version a token (or MAC) names, checked against the one the request names."""
+    version, type_id, body = token.decode(text)
     if key_version is not None and key_version != version:
         raise InvalidRequest("key_version does not match the version the token names")
     kv = key.version(version)
     if type_id != key.type.type_id:
         raise DecryptionFailed
-    ad = token.associated_data(key.name, version, type_id, aad)
-    return kv.handle.decrypt(body, ad), version
+    return kv, body
+
+
+def _open(
+    key: Key, ciphertext: str, aad: bytes, key_version: int | None, context: bytes | None
+) -> tuple[bytes, int]:
+    kv, body = _token_version(key, ciphertext, key_version)
+    ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
+    return _handle(kv, context).decrypt(body, ad), kv.version
 
 
 def encrypt(keyring: Keyring, key: Key, item: EncryptItem) -> Result:
-    return _seal(key, item.key_version, item.plaintext, item.aad)
+    return _seal(key, item.key_version, item.plaintext, item.aad, item.context)
 
 
 def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
     if item.format is None:
-        plaintext, version = _open(key, item.ciphertext, item.aad, item.key_version)
+        plaintext, version = _open(key, item.ciphertext, item.aad, item.key_version, item.context)
         return {"plaintext": b64(plaintext), "key_version": version}
+    if item.context is not None:
+        raise InvalidRequest("'context' does not apply to external ciphertext formats")
     if item.format not in key.type.external_formats:
         allowed = ", ".join(sorted(key.type.external_formats)) or "none"
         raise InvalidRequest(
@@ -149,44 +200,72 @@ def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
     }
 
 
-def _signing_version(key: Key, data: bytes, prehashed: bool, version: int | None) -> KeyVersion:
-    if prehashed:
-        size = key.type.sign_digest_size
-        if size is None:
-            raise InvalidRequest(
-                f"key type {key.type.name} signs messages only; 'digest' is not accepted"
-            )
-        if len(data) != size:
-            raise InvalidRequest(f"digest must be {size} bytes for {key.type.name}")
+def _signing_version(key: Key, prehashed: bool, version: int | None) -> KeyVersion:
+    """The version to sign or verify with. A digest's length is checked by the key handle: it
+    depends on the hash the request chose."""
+    if prehashed and key.type.sign_digest_size is None:
+        raise InvalidRequest(
+            f"key type {key.type.name} signs messages only; 'digest' is not accepted"
+        )
     return key.version(version)
 
 
 def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:
-    kv = _signing_version(key, item.data, item.prehashed, item.key_version)
+    kv = _signing_version(key, item.prehashed, item.key_version)
     signature = kv.handle.sign(item.data, prehashed=item.prehashed, options=item.options)
     return {"signature": b64(signature), "key_version": kv.version}
 
 
-def verify(keyring: Keyring, key: Key, item: VerifyItem) -> Result:
-    kv = _signing_version(key, item.data, item.prehashed, item.key_version)
+def verify(keyring: Keyring, key: Key, item: VerifyItem | MacVerifyItem) -> Result:
+    is_mac_key = key.type.supports("hmac")
+    if isinstance(item, MacVerifyItem):
+        if not is_mac_key:
+            raise InvalidRequest(
+                f"'mac' applies to HMAC keys; key type {key.type.name} verifies a 'signature'"
+            )
+        return {"valid": _verify_mac(key, item)}
+    if is_mac_key:
+        raise InvalidRequest(
+            f"key type {key.type.name} verifies a 'mac' (with 'message'), not a 'signature'"
+        )
+    kv = _signing_version(key, item.prehashed, item.key_version)
     valid = kv.handle.verify(
         item.signature, item.data, prehashed=item.prehashed, options=item.options
     )
     return {"valid": valid}
 
 
+def hmac(keyring: Keyring, key: Key, item: HmacItem) -> Result:
+    kv = key.version(item.key_version)
+    tag = _handle(kv, item.context).mac(item.data)
+    return {"mac": token.encode_mac(kv.version, tag), "key_version": kv.version}
+
+
+def _verify_mac(key: Key, item: MacVerifyItem) -> bool:
+    version, tag = token.decode_mac(item.mac)
+    if item.key_version is not None and item.key_version != version:
+        raise InvalidRequest("key_version does not match the version the mac names")
+    handle = _handle(key.version(version), item.context)
+    return tag is not None and handle.verify_mac(tag, item.data)
+
+
 def rewrap(keyring: Keyring, key: Key, item: RewrapItem) -> Result:
     target = key if item.to_key is None else keyring.key(item.to_key)
     check_operation(target, "encrypt")
-    plaintext, _ = _open(key, item.ciphertext, item.aad, None)
-    return _seal(target, None, plaintext, item.aad)
+    if item.context is not None and not (key.derived or target.derived):
+        raise InvalidRequest("'context' applies to derived keys only; neither key is derived")
+    source_context = item.context if key.derived else None
+    plaintext, _ = _open(key, item.ciphertext, item.aad, None, source_context)
+    return _seal(target, None, plaintext, item.aad, item.context if target.derived else None)
 
 
 def datakey(keyring: Keyring, key: Key, item: DatakeyItem) -> Result:
     if item.bits not in (128, 256):
         raise InvalidRequest("bits must be 128 or 256")
     dek = os.urandom(item.bits // 8)
-    sealed = _seal(key, None, dek, item.aad)
+    sealed = _seal(key, None, dek, item.aad, item.context)
+    if not item.plaintext:
+        return sealed
     return {"plaintext": b64(dek), **sealed}
 
 
@@ -197,6 +276,7 @@ OPERATIONS: dict[OpName, Callable[[Keyring, Key, Any], Result]] = {
     "verify": verify,
     "rewrap": rewrap,
     "datakey": datakey,
+    "hmac": hmac,
 }
 
 

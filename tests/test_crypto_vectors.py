@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from service import engine
 from service.crypto.aead import NONCE_SIZE, TAG_SIZE, AesGcm, Sm4Gcm
 from service.crypto.base import InvalidCiphertext, KeyHandle, SignOptions
-from service.crypto.ecdsa import EcdsaP256Key, der_to_raw
+from service.crypto.ecdsa import EcdsaKey, der_to_raw
 from service.crypto.registry import KEY_TYPES
 from service.crypto.rsa import RsaKey
 from service.errors import DecryptionFailed
@@ -324,23 +324,36 @@ def test_wycheproof_rsa_oaep_through_engine(tmp_path: Path) -> None:
 # ECDSA P-256 ----------------------------------------------------------------------------------
 
 
-class PublicEcdsaP256(EcdsaP256Key):
-    """EcdsaP256Key's own verify over a public key alone.
+# The curve's type name, scalar size and default hash, by pyca's curve name.
+CURVES = {
+    "secp256r1": ("ecdsa-p256", 32, "sha2-256"),
+    "secp384r1": ("ecdsa-p384", 48, "sha2-384"),
+    "secp521r1": ("ecdsa-p521", 66, "sha2-512"),
+}
+
+
+class PublicEcdsa(EcdsaKey):
+    """EcdsaKey's own verify over a public key alone.
 
     The class is built from a private key; Wycheproof publishes public keys only. This adapter
-    sets the one attribute verify reads, so the code under test (encoding choice, raw -> DER,
-    exception mapping) is the class's own.
+    sets the attributes verify reads (the public key, the scalar size and the type's default
+    hash), so the code under test (hash choice, encoding choice, raw -> DER, exception mapping)
+    is the class's own.
     """
 
     def __init__(self, public: ec.EllipticCurvePublicKey) -> None:
+        type_name, scalar, default_hash = CURVES[public.curve.name]
+        self.type_name = type_name  # type: ignore[misc]
         self._public = public
+        self._scalar = scalar
+        self._default_hash = default_hash
 
 
-def ecdsa_verifier(group: dict[str, Any]) -> PublicEcdsaP256:
+def ecdsa_verifier(group: dict[str, Any]) -> PublicEcdsa:
     public = serialization.load_der_public_key(h(group["keyDer"]))
     assert isinstance(public, ec.EllipticCurvePublicKey)
     assert isinstance(public.curve, ec.SECP256R1)
-    return PublicEcdsaP256(public)
+    return PublicEcdsa(public)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,11 @@ def authorize(request: Request, key: str, operation: str) -> None:
     auth.authorize(auth.client_from_scope(request.scope), key, operation)
 
 
+def authorize_keyless(request: Request, operation: str) -> None:
+    """403 unless a rule of the client's policy lists ``operation`` (one that names no key)."""
+    auth.authorize_keyless(auth.client_from_scope(request.scope), operation)
+
+
 def require_admin(request: Request) -> None:
     auth.require_admin(auth.client_from_scope(request.scope))
 

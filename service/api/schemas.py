@@ -16,7 +16,9 @@ from service.engine import (
     DatakeyItem,
     DecryptItem,
     EncryptItem,
+    HmacItem,
     Item,
+    MacVerifyItem,
     OpName,
     RewrapItem,
     SignItem,
@@ -25,6 +27,7 @@ from service.engine import (
 from service.errors import InvalidRequest, SchemaError
 
 MAX_SIGNER_ID_BYTES = 255
+MAX_RANDOM_BYTES = 65536
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -36,6 +39,7 @@ class EncryptRequest(_Body):
     plaintext: str
     aad: str | None = None
     key_version: int | None = None
+    context: str | None = None
 
 
 class DecryptRequest(_Body):
@@ -43,6 +47,7 @@ class DecryptRequest(_Body):
     aad: str | None = None
     format: str | None = None
     key_version: int | None = None
+    context: str | None = None
 
 
 class SignRequest(_Body):
@@ -51,27 +56,48 @@ class SignRequest(_Body):
     algorithm: str | None = None
     signer_id: str | None = None
     encoding: str | None = None
+    hash_algorithm: str | None = None
     key_version: int | None = None
 
 
 class VerifyRequest(SignRequest):
-    signature: str
+    """A signature (signing keys) or a MAC (HMAC keys, with ``message`` and ``context`` if
+    derived): exactly one of ``signature`` and ``mac``."""
+
+    signature: str | None = None
+    mac: str | None = None
+    context: str | None = None
 
 
 class RewrapRequest(_Body):
     ciphertext: str
     aad: str | None = None
     to_key: str | None = None
+    context: str | None = None
 
 
 class DatakeyRequest(_Body):
     bits: int = 256
     aad: str | None = None
+    plaintext: bool = True
+    context: str | None = None
+
+
+class HmacRequest(_Body):
+    message: str
+    key_version: int | None = None
+    context: str | None = None
+
+
+class RandomRequest(_Body):
+    bytes: int
 
 
 class CreateKeyRequest(_Body):
     type: str
     deletion_allowed: bool = False
+    derived: bool = False
+    convergent: bool = False
 
 
 class UpdateKeyRequest(BaseModel):
@@ -92,6 +118,10 @@ def _aad(value: str | None) -> bytes:
     return b"" if value is None else decode_b64(value, "aad")
 
 
+def _context(value: str | None) -> bytes | None:
+    return None if value is None else decode_b64(value, "context")
+
+
 def _message_or_digest(body: SignRequest) -> tuple[bytes, bool]:
     if (body.message is None) == (body.digest is None):
         raise InvalidRequest("send exactly one of 'message' or 'digest'")
@@ -107,7 +137,12 @@ def _sign_options(body: SignRequest) -> SignOptions:
         signer_id = body.signer_id.encode("utf-8")
         if len(signer_id) > MAX_SIGNER_ID_BYTES:
             raise InvalidRequest("signer_id must be at most 255 bytes of UTF-8")
-    return SignOptions(algorithm=body.algorithm, encoding=body.encoding, signer_id=signer_id)
+    return SignOptions(
+        algorithm=body.algorithm,
+        encoding=body.encoding,
+        signer_id=signer_id,
+        hash_algorithm=body.hash_algorithm,
+    )
 
 
 def _validate(model: type[M], data: Any) -> M:
@@ -133,12 +168,19 @@ def schema_message(exc: ValidationError) -> str:
 
 def _encrypt(data: Any) -> EncryptItem:
     body = _validate(EncryptRequest, data)
-    return EncryptItem(decode_b64(body.plaintext, "plaintext"), _aad(body.aad), body.key_version)
+    return EncryptItem(
+        decode_b64(body.plaintext, "plaintext"),
+        _aad(body.aad),
+        body.key_version,
+        _context(body.context),
+    )
 
 
 def _decrypt(data: Any) -> DecryptItem:
     body = _validate(DecryptRequest, data)
-    return DecryptItem(body.ciphertext, _aad(body.aad), body.format, body.key_version)
+    return DecryptItem(
+        body.ciphertext, _aad(body.aad), body.format, body.key_version, _context(body.context)
+    )
 
 
 def _sign(data: Any) -> SignItem:
@@ -147,8 +189,25 @@ def _sign(data: Any) -> SignItem:
     return SignItem(payload, prehashed, _sign_options(body), body.key_version)
 
 
-def _verify(data: Any) -> VerifyItem:
+_SIGNATURE_ONLY = ("digest", "algorithm", "signer_id", "encoding", "hash_algorithm")
+
+
+def _verify(data: Any) -> VerifyItem | MacVerifyItem:
     body = _validate(VerifyRequest, data)
+    if body.signature is not None and body.mac is not None:
+        raise InvalidRequest("send 'signature' or 'mac', not both")
+    if body.mac is not None:
+        for name in _SIGNATURE_ONLY:
+            if getattr(body, name) is not None:
+                raise InvalidRequest(f"'{name}' does not apply to a MAC")
+        if body.message is None:
+            raise SchemaError("body.message: a MAC is verified against the 'message'")
+        message = decode_b64(body.message, "message")
+        return MacVerifyItem(body.mac, message, body.key_version, _context(body.context))
+    if body.signature is None:
+        raise SchemaError("body: send 'signature' (signing keys) or 'mac' (HMAC keys)")
+    if body.context is not None:
+        raise InvalidRequest("'context' applies to derived keys only; signing keys are not")
     payload, prehashed = _message_or_digest(body)
     signature = decode_b64(body.signature, "signature")
     return VerifyItem(signature, payload, prehashed, _sign_options(body), body.key_version)
@@ -156,12 +215,23 @@ def _verify(data: Any) -> VerifyItem:
 
 def _rewrap(data: Any) -> RewrapItem:
     body = _validate(RewrapRequest, data)
-    return RewrapItem(body.ciphertext, _aad(body.aad), body.to_key)
+    return RewrapItem(body.ciphertext, _aad(body.aad), body.to_key, _context(body.context))
 
 
 def _datakey(data: Any) -> DatakeyItem:
     body = _validate(DatakeyRequest, data)
-    return DatakeyItem(body.bits, _aad(body.aad))
+    return DatakeyItem(body.bits, _aad(body.aad), body.plaintext, _context(body.context))
+
+
+def _hmac(data: Any) -> HmacItem:
+    body = _validate(HmacRequest, data)
+    return HmacItem(decode_b64(body.message, "message"), body.key_version, _context(body.context))
+
+
+def random_size(body: RandomRequest) -> int:
+    if not 1 <= body.bytes <= MAX_RANDOM_BYTES:
+        raise InvalidRequest(f"bytes must be between 1 and {MAX_RANDOM_BYTES}")
+    return body.bytes
 
 
 PARSERS: dict[OpName, Callable[[Any], Item]] = {
@@ -171,6 +241,7 @@ PARSERS: dict[OpName, Callable[[Any], Item]] = {
     "verify": _verify,
     "rewrap": _rewrap,
     "datakey": _datakey,
+    "hmac": _hmac,
 }
 
 MODELS: dict[OpName, type[BaseModel]] = {
@@ -180,6 +251,7 @@ MODELS: dict[OpName, type[BaseModel]] = {
     "verify": VerifyRequest,
     "rewrap": RewrapRequest,
     "datakey": DatakeyRequest,
+    "hmac": HmacRequest,
 }
 
 

@@ -33,7 +33,9 @@ from service.fileio import atomic_write, file_stamp
 
 logger = logging.getLogger("cryptd.auth")
 
-OPERATIONS: Final = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "read"})
+OPERATIONS: Final = frozenset(
+    {"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random", "read"}
+)
 CLIENT_ID_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MIN_SECRET_BYTES: Final = 32
 SECRET_BYTES: Final = 32  # what generate_secret() makes
@@ -77,6 +79,10 @@ class Client:
     def allows(self, key: str, operation: str) -> bool:
         """Whether a rule allows ``operation`` on ``key``. Admin does not imply data access."""
         return any(rule.allows(key, operation) for rule in self.allow)
+
+    def allows_keyless(self, operation: str) -> bool:
+        """Whether a rule lists ``operation`` (or ``*``), one that names no key (``random``)."""
+        return any("*" in r.operations or operation in r.operations for r in self.allow)
 
     def __reduce__(self) -> NoReturn:
         # Secrets never travel by accident (to a worker process, a cache, a log handler).

@@ -213,6 +213,13 @@ def authorize(client: Client, key: str, operation: str) -> None:
         raise Forbidden()
 
 
+def authorize_keyless(client: Client, operation: str) -> None:
+    """Raise :class:`~service.errors.Forbidden` unless ``client`` may ``operation``, one that
+    names no key (``random``)."""
+    if not client.allows_keyless(operation):
+        raise Forbidden()
+
+
 def require_admin(client: Client) -> None:
     """Raise :class:`~service.errors.Forbidden` unless ``client`` may manage keys."""
     if not client.admin:

@@ -13,10 +13,12 @@ from typing import Any
 
 from service.client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
 
-OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey")
+OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random")
 KEY_COMMANDS = ("keys", "key", "create", "rotate")
 # Operations that read their input (plaintext, ciphertext, message) from --data/--data-file/stdin.
-_WITH_INPUT = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap"})
+_WITH_INPUT = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap", "hmac"})
+# Operations that name no key.
+_KEYLESS = frozenset({"keys", "random"})
 
 
 def default_credential() -> Path:
@@ -32,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "is not valid; API errors are printed to stderr as JSON with exit status 1.",
     )
     parser.add_argument("op", choices=OPERATIONS + KEY_COMMANDS, help="operation")
-    parser.add_argument("key", nargs="?", help="key name (all operations but 'keys')")
+    parser.add_argument("key", nargs="?", help="key name (all operations but 'keys', 'random')")
     parser.add_argument(
         "--credential",
         type=Path,
@@ -47,17 +49,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--base64", action="store_true", help="the input is base64: decode it first"
     )
     parser.add_argument("--aad", help="associated data (UTF-8 text)")
+    parser.add_argument("--context", help="derived keys: the context (UTF-8 text)")
     parser.add_argument("--key-version", type=int)
     parser.add_argument("--format", help="decrypt: external ciphertext format (input is bytes)")
     parser.add_argument("--digest", help="sign/verify: the digest, hex, instead of a message")
     parser.add_argument("--signature", help="verify: the signature, base64")
+    parser.add_argument("--mac", help="verify: the MAC (cryptd:v<N>:...) of an HMAC key")
     parser.add_argument("--algorithm", help="sign/verify: pss | pkcs1v15 (RSA)")
+    parser.add_argument(
+        "--hash-algorithm", help="sign/verify: sha2-256 | sha2-384 | sha2-512 (RSA, ECDSA)"
+    )
     parser.add_argument("--signer-id", help="sign/verify: SM2 signer ID")
     parser.add_argument("--encoding", help="sign/verify: der | raw (ECDSA, SM2)")
     parser.add_argument("--to-key", help="rewrap: re-encrypt under this key")
     parser.add_argument("--bits", type=int, default=256, help="datakey: 128 or 256")
+    parser.add_argument(
+        "--no-plaintext", action="store_true", help="datakey: return the wrapped key only"
+    )
+    parser.add_argument("--bytes", type=int, default=32, help="random: how many (1 to 65536)")
     parser.add_argument("--type", help="create: key type, e.g. aes256-gcm")
     parser.add_argument("--deletion-allowed", action="store_true", help="create: may be deleted")
+    parser.add_argument("--derived", action="store_true", help="create: a key per context (HKDF)")
+    parser.add_argument(
+        "--convergent",
+        action="store_true",
+        help="create: deterministic encryption (with --derived; see docs/FORMAT.md)",
+    )
     parser.add_argument(
         "--raw", action="store_true", help="decrypt: write the plaintext bytes, not JSON"
     )
@@ -94,6 +111,7 @@ def _sign_options(args: argparse.Namespace) -> dict[str, Any]:
         "signer_id": args.signer_id,
         "encoding": args.encoding,
         "key_version": args.key_version,
+        "hash_algorithm": args.hash_algorithm,
     }
 
 
@@ -102,16 +120,22 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     op: str = args.op
     key: str = args.key
     aad = args.aad.encode("utf-8") if args.aad is not None else None
+    context = args.context.encode("utf-8") if args.context is not None else None
     # sign / verify with --digest send no message, so they read no input.
     needs_input = op in _WITH_INPUT and not (op in ("sign", "verify") and args.digest)
     data = _read_input(args) if needs_input else b""
     if op == "encrypt":
-        enc = client.encrypt(key, data, aad=aad, key_version=args.key_version)
+        enc = client.encrypt(key, data, aad=aad, key_version=args.key_version, context=context)
         return {"ciphertext": enc.ciphertext, "key_version": enc.key_version}, 0
     if op == "decrypt":
         ciphertext: str | bytes = data if args.format else data.decode("ascii").strip()
         dec = client.decrypt(
-            key, ciphertext, aad=aad, format=args.format, key_version=args.key_version
+            key,
+            ciphertext,
+            aad=aad,
+            format=args.format,
+            key_version=args.key_version,
+            context=context,
         )
         if args.raw:
             sys.stdout.buffer.write(dec.plaintext)
@@ -121,9 +145,14 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     if op == "sign":
         signed = client.sign(key, None if args.digest else data, **_sign_options(args))
         return {"signature": _b64(signed.signature), "key_version": signed.key_version}, 0
+    if op == "verify" and args.mac:
+        valid = client.verify_mac(
+            key, data, args.mac, key_version=args.key_version, context=context
+        )
+        return {"valid": valid}, 0 if valid else 1
     if op == "verify":
         if not args.signature:
-            raise ValueError("verify needs --signature (base64)")
+            raise ValueError("verify needs --signature (base64) or --mac")
         valid = client.verify(
             key,
             None if args.digest else data,
@@ -133,12 +162,20 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
         return {"valid": valid}, 0 if valid else 1
     if op == "rewrap":
         token = data.decode("ascii").strip()
-        rewrapped = client.rewrap(key, token, aad=aad, to_key=args.to_key)
+        rewrapped = client.rewrap(key, token, aad=aad, to_key=args.to_key, context=context)
         return {"ciphertext": rewrapped.ciphertext, "key_version": rewrapped.key_version}, 0
+    if op == "datakey" and args.no_plaintext:
+        wrapped = client.datakey_wrapped(key, bits=args.bits, aad=aad, context=context)
+        return {"ciphertext": wrapped.ciphertext, "key_version": wrapped.key_version}, 0
     if op == "datakey":
-        dk = client.datakey(key, bits=args.bits, aad=aad)
+        dk = client.datakey(key, bits=args.bits, aad=aad, context=context)
         result = {"plaintext": _b64(dk.plaintext), "ciphertext": dk.ciphertext}
         return {**result, "key_version": dk.key_version}, 0
+    if op == "hmac":
+        mac = client.hmac(key, data, key_version=args.key_version, context=context)
+        return {"mac": mac.mac, "key_version": mac.key_version}, 0
+    if op == "random":
+        return {"random": _b64(client.random(args.bytes))}, 0
     if op == "keys":
         return {"keys": [_metadata(m) for m in client.list_keys()]}, 0
     if op == "key":
@@ -146,14 +183,21 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     if op == "create":
         if not args.type:
             raise ValueError("create needs --type")
-        return _metadata(client.create_key(key, args.type, args.deletion_allowed)), 0
+        created = client.create_key(
+            key,
+            args.type,
+            args.deletion_allowed,
+            derived=args.derived,
+            convergent=args.convergent,
+        )
+        return _metadata(created), 0
     if op == "rotate":
         return _metadata(client.rotate_key(key)), 0
     raise ValueError(f"unknown operation {op!r}")
 
 
 def _call(args: argparse.Namespace) -> int:
-    if args.op != "keys" and not args.key:
+    if args.op not in _KEYLESS and not args.key:
         raise ValueError(f"'{args.op}' needs a key name")
     credential = Path(args.credential) if args.credential else default_credential()
     data = json.loads(credential.read_text(encoding="utf-8"))

@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="GLOB:OPS",
         help="allow operations on matching keys, e.g. 'billing-*:encrypt,decrypt' (repeatable); "
-        "operations: encrypt decrypt sign verify rewrap datakey read, or *",
+        "operations: encrypt decrypt sign verify rewrap datakey hmac read, random (names no "
+        "key: any glob), or *",
     )
     add.add_argument("--file", type=Path, help=file_help)
     add.set_defaults(func=_add)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,13 +38,28 @@ def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
     return manager
 
 
+_HEX = re.compile(rb"[0-9A-Fa-f\s]+")
+
+
+def read_material(data: bytes, type_name: str) -> bytes:
+    """What ``--import`` reads: PEM or DER for private keys (SM2 also its 64-digit hex scalar),
+    hex digits for secret keys (whitespace ignored), or else the raw bytes."""
+    key_type = KEY_TYPES[type_name]
+    import_key = key_type.import_key
+    if import_key is None:
+        raise ValueError(f"key type {type_name} does not support import")
+    if not key_type.asymmetric and _HEX.fullmatch(data.strip() or b"x"):
+        digits = b"".join(data.split())
+        if len(digits) % 2:
+            raise ValueError("--import: odd number of hex digits")
+        data = bytes.fromhex(digits.decode("ascii"))
+    return import_key(data)
+
+
 def _material(args: argparse.Namespace, type_name: str) -> bytes | None:
     if not args.import_file:
         return None
-    import_key = KEY_TYPES[type_name].import_key
-    if import_key is None:
-        raise ValueError(f"key type {type_name} does not support import")
-    return import_key(Path(args.import_file).read_bytes())
+    return read_material(Path(args.import_file).read_bytes(), type_name)
 
 
 def _print(data: object) -> None:
@@ -57,6 +73,8 @@ def create(args: argparse.Namespace) -> int:
         args.type,
         deletion_allowed=args.deletion_allowed,
         material=_material(args, args.type),
+        derived=args.derived,
+        convergent=args.convergent,
     )
     _print(key.metadata())
     return 0
@@ -96,12 +114,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("name")
     p.add_argument("--type", required=True, choices=sorted(KEY_TYPES))
     p.add_argument("--deletion-allowed", action="store_true")
-    p.add_argument("--import", dest="import_file", help="import existing key material (PEM/hex)")
+    p.add_argument(
+        "--import",
+        dest="import_file",
+        metavar="FILE",
+        help="import existing key material: secret keys as hex digits (or raw bytes), private "
+        "keys as PEM or DER (SM2 also a 64-digit hex scalar)",
+    )
+    p.add_argument("--derived", action="store_true", help="a key per context (HKDF)")
+    p.add_argument(
+        "--convergent",
+        action="store_true",
+        help="deterministic encryption (with --derived; what it reveals: docs/FORMAT.md)",
+    )
     p.set_defaults(func=create)
 
     p = actions.add_parser("rotate", parents=[common], help="add a new version")
     p.add_argument("name")
-    p.add_argument("--import", dest="import_file", help="import the new version's material")
+    p.add_argument(
+        "--import", dest="import_file", metavar="FILE", help="new version's material (as create)"
+    )
     p.set_defaults(func=rotate)
 
     p = actions.add_parser("list", parents=[common], help="list keys")

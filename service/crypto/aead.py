@@ -19,10 +19,12 @@ TAG_SIZE = 16
 
 
 class Aead(Protocol):
-    """Authenticated encryption. ``seal`` picks a fresh random nonce; ``open`` raises
-    InvalidCiphertext for any failure."""
+    """Authenticated encryption. ``seal`` picks a fresh random nonce; ``seal_with_nonce`` takes
+    one the caller guarantees unique for distinct inputs (convergent encryption); ``open``
+    raises InvalidCiphertext for any failure."""
 
     def seal(self, plaintext: bytes, associated_data: bytes) -> bytes: ...
+    def seal_with_nonce(self, nonce: bytes, plaintext: bytes, associated_data: bytes) -> bytes: ...
     def open(self, body: bytes, associated_data: bytes) -> bytes: ...
 
 
@@ -38,6 +40,9 @@ class AesGcm:
 
     def seal(self, plaintext: bytes, associated_data: bytes) -> bytes:
         nonce = os.urandom(NONCE_SIZE)
+        return nonce + self._aead.encrypt(nonce, plaintext, associated_data)
+
+    def seal_with_nonce(self, nonce: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
         return nonce + self._aead.encrypt(nonce, plaintext, associated_data)
 
     def open(self, body: bytes, associated_data: bytes) -> bytes:
@@ -58,7 +63,9 @@ class Sm4Gcm:
         self._algorithm = algorithms.SM4(key)
 
     def seal(self, plaintext: bytes, associated_data: bytes) -> bytes:
-        nonce = os.urandom(NONCE_SIZE)
+        return self.seal_with_nonce(os.urandom(NONCE_SIZE), plaintext, associated_data)
+
+    def seal_with_nonce(self, nonce: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
         encryptor = Cipher(self._algorithm, modes.GCM(nonce)).encryptor()
         encryptor.authenticate_additional_data(associated_data)
         ciphertext = encryptor.update(plaintext) + encryptor.finalize()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, NoReturn
 
-Operation = Literal["encrypt", "decrypt", "sign", "verify"]
+Operation = Literal["encrypt", "decrypt", "sign", "verify", "hmac"]
 
 
 class CryptoError(Exception):
@@ -46,6 +46,7 @@ class SignOptions:
     algorithm: str | None = None  # RSA: "pss" (default) or "pkcs1v15"
     encoding: str | None = None  # ECDSA and SM2: "der" (default) or "raw" (fixed-length r||s)
     signer_id: bytes | None = None  # SM2 only; default b"1234567812345678"
+    hash_algorithm: str | None = None  # RSA and ECDSA: "sha2-256" | "sha2-384" | "sha2-512"
 
     def refuse(self, *names: str) -> None:
         """Raise InvalidOptions if any of ``names`` was sent."""
@@ -81,6 +82,19 @@ class KeyHandle(ABC):
         """True when the signature verifies; False for any signature bytes that do not."""
         self._unsupported("verify")
 
+    def mac(self, message: bytes) -> bytes:
+        """The MAC tag of ``message`` (HMAC keys)."""
+        self._unsupported("hmac")
+
+    def verify_mac(self, tag: bytes, message: bytes) -> bool:
+        """True when ``tag`` is the MAC of ``message``, compared in constant time; False for
+        any other bytes."""
+        self._unsupported("verify a MAC")
+
+    def for_context(self, context: bytes) -> KeyHandle:
+        """The key derived for ``context`` (derived keys only)."""
+        raise InvalidOptions("'context' applies to derived keys only; this key is not derived")
+
     def public_key_pem(self) -> str | None:
         """SubjectPublicKeyInfo PEM for asymmetric keys; None for secret keys."""
         return None
@@ -106,7 +120,9 @@ class KeyType:
     ``material`` is the serialized secret (raw bytes for symmetric keys, PKCS#8 DER or a raw
     scalar for private keys). ``load`` may skip expensive validation: material is only ever
     loaded after the keyring authenticated it under the master key. ``import_key`` validates
-    untrusted input fully.
+    untrusted input fully. ``derive`` (types that support derived keys) loads a version whose
+    every operation takes a context: ``derive(material, binding, convergent)``, where
+    ``binding`` names the key and version (see ``service.crypto.derived``).
     """
 
     name: str
@@ -117,7 +133,9 @@ class KeyType:
     load: Callable[[bytes], KeyHandle]
     import_key: Callable[[bytes], bytes] | None = None
     external_formats: frozenset[str] = field(default_factory=frozenset)
-    sign_digest_size: int | None = None  # size of a precomputed digest; None: digests refused
+    sign_digest_size: int | None = None  # default digest size; None: digests refused
+    derive: Callable[[bytes, bytes, bool], KeyHandle] | None = None
+    convergent: bool = False  # derived keys of this type may be convergent
 
     def supports(self, operation: Operation) -> bool:
         return operation in self.operations

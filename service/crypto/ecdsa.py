@@ -1,9 +1,10 @@
-"""ECDSA on P-256 with SHA-256. Signatures are DER by default, fixed-length r||s with "raw"."""
+"""ECDSA on P-256, P-384 and P-521. Each curve signs with its matching SHA-2 hash by default
+(SHA-256, SHA-384, SHA-512); ``hash_algorithm`` picks another. Signatures are DER by default,
+fixed-length r||s with "raw"."""
 
 from __future__ import annotations
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import (
     Prehashed,
@@ -11,12 +12,15 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
     encode_dss_signature,
 )
 
+from service.crypto import digests
 from service.crypto.base import InvalidKeyMaterial, InvalidOptions, KeyHandle, KeyType, SignOptions
 from service.crypto.pkcs8 import load_trusted, load_untrusted, private_der, public_pem
 
-_SCALAR = 32
-_ALGORITHM = ec.ECDSA(hashes.SHA256())
-_PREHASHED = ec.ECDSA(Prehashed(hashes.SHA256()))
+# (message algorithm, digest algorithm) per hash name, built once.
+_ALGORITHMS: dict[str, tuple[ec.ECDSA, ec.ECDSA]] = {
+    name: (ec.ECDSA(algorithm), ec.ECDSA(Prehashed(algorithm)))
+    for name, algorithm in digests.HASHES.items()
+}
 
 
 def _raw_encoding(options: SignOptions) -> bool:
@@ -41,29 +45,49 @@ def raw_to_der(signature: bytes, size: int) -> bytes | None:
     )
 
 
-class EcdsaP256Key(KeyHandle):
-    type_name = "ecdsa-p256"
-    __slots__ = ("_private", "_public")
+class EcdsaKey(KeyHandle):
+    """One class for every curve; ``type_name``, the scalar size and the default hash differ."""
 
-    def __init__(self, private: ec.EllipticCurvePrivateKey) -> None:
+    __slots__ = ("_default_hash", "_private", "_public", "_scalar", "type_name")
+
+    def __init__(
+        self,
+        type_name: str,
+        private: ec.EllipticCurvePrivateKey,
+        *,
+        scalar: int,
+        default_hash: str,
+    ) -> None:
+        self.type_name = type_name  # type: ignore[misc]  # one class serves every curve
         self._private = private
         self._public = private.public_key()
+        self._scalar = scalar
+        self._default_hash = default_hash
+
+    def _algorithm(self, data: bytes, prehashed: bool, options: SignOptions) -> ec.ECDSA:
+        name = digests.choose(options.hash_algorithm, self._default_hash)
+        if prehashed:
+            digests.check_digest(data, name)
+        message, digest = _ALGORITHMS[name]
+        return digest if prehashed else message
 
     def sign(self, data: bytes, *, prehashed: bool, options: SignOptions) -> bytes:
         raw = _raw_encoding(options)
-        signature = self._private.sign(data, _PREHASHED if prehashed else _ALGORITHM)
-        return der_to_raw(signature, _SCALAR) if raw else signature
+        signature = self._private.sign(data, self._algorithm(data, prehashed, options))
+        return der_to_raw(signature, self._scalar) if raw else signature
 
     def verify(
         self, signature: bytes, data: bytes, *, prehashed: bool, options: SignOptions
     ) -> bool:
-        if _raw_encoding(options):
-            der = raw_to_der(signature, _SCALAR)
+        raw = _raw_encoding(options)
+        algorithm = self._algorithm(data, prehashed, options)
+        if raw:
+            der = raw_to_der(signature, self._scalar)
             if der is None:
                 return False
             signature = der
         try:
-            self._public.verify(signature, data, _PREHASHED if prehashed else _ALGORITHM)
+            self._public.verify(signature, data, algorithm)
         except (InvalidSignature, ValueError):
             return False
         return True
@@ -72,19 +96,31 @@ class EcdsaP256Key(KeyHandle):
         return public_pem(self._public)
 
 
-def _check(key: object) -> ec.EllipticCurvePrivateKey:
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise InvalidKeyMaterial("not a P-256 private key")
-    return key
+def _ecdsa_type(
+    name: str, type_id: int, curve: type[ec.EllipticCurve], scalar: int, default_hash: str
+) -> KeyType:
+    def check(key: object) -> ec.EllipticCurvePrivateKey:
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, curve):
+            raise InvalidKeyMaterial(f"not a {curve.name} private key for {name}")
+        return key
+
+    def load(material: bytes) -> KeyHandle:
+        return EcdsaKey(
+            name, check(load_trusted(material)), scalar=scalar, default_hash=default_hash
+        )
+
+    return KeyType(
+        name=name,
+        type_id=type_id,
+        operations=frozenset({"sign", "verify"}),
+        asymmetric=True,
+        generate=lambda: private_der(ec.generate_private_key(curve())),
+        load=load,
+        import_key=lambda data: private_der(check(load_untrusted(data))),
+        sign_digest_size=digests.HASHES[default_hash].digest_size,
+    )
 
 
-ECDSA_P256 = KeyType(
-    name="ecdsa-p256",
-    type_id=6,
-    operations=frozenset({"sign", "verify"}),
-    asymmetric=True,
-    generate=lambda: private_der(ec.generate_private_key(ec.SECP256R1())),
-    load=lambda material: EcdsaP256Key(_check(load_trusted(material))),
-    import_key=lambda data: private_der(_check(load_untrusted(data))),
-    sign_digest_size=32,
-)
+ECDSA_P256 = _ecdsa_type("ecdsa-p256", 6, ec.SECP256R1, 32, digests.SHA2_256)
+ECDSA_P384 = _ecdsa_type("ecdsa-p384", 12, ec.SECP384R1, 48, digests.SHA2_384)
+ECDSA_P521 = _ecdsa_type("ecdsa-p521", 13, ec.SECP521R1, 66, digests.SHA2_512)

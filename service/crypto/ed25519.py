@@ -21,7 +21,7 @@ class Ed25519Key(KeyHandle):
 
     @staticmethod
     def _check(prehashed: bool, options: SignOptions) -> None:
-        options.refuse("algorithm", "encoding", "signer_id")
+        options.refuse("algorithm", "encoding", "signer_id", "hash_algorithm")
         if prehashed:
             raise InvalidOptions("ed25519 signs messages only; 'digest' is not accepted")
 

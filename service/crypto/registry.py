@@ -5,13 +5,28 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from service.crypto.base import KeyType
-from service.crypto.ecdsa import ECDSA_P256
+from service.crypto.ecdsa import ECDSA_P256, ECDSA_P384, ECDSA_P521
 from service.crypto.ed25519 import ED25519
+from service.crypto.hmac import HMAC_SHA256, HMAC_SHA512, HMAC_SM3
 from service.crypto.rsa import RSA_2048, RSA_3072, RSA_4096
 from service.crypto.sm2 import SM2
 from service.crypto.symmetric import AES256_GCM, SM4_GCM
 
-_ALL = (AES256_GCM, SM4_GCM, RSA_2048, RSA_3072, RSA_4096, ECDSA_P256, ED25519, SM2)
+_ALL = (
+    AES256_GCM,
+    SM4_GCM,
+    RSA_2048,
+    RSA_3072,
+    RSA_4096,
+    ECDSA_P256,
+    ED25519,
+    SM2,
+    HMAC_SHA256,
+    HMAC_SHA512,
+    HMAC_SM3,
+    ECDSA_P384,
+    ECDSA_P521,
+)
 
 KEY_TYPES: MappingProxyType[str, KeyType] = MappingProxyType({t.name: t for t in _ALL})
 KEY_TYPES_BY_ID: MappingProxyType[int, KeyType] = MappingProxyType({t.type_id: t for t in _ALL})

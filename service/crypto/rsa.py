@@ -1,5 +1,6 @@
 """RSA keys: hybrid encryption (RSA-OAEP-SHA256 wraps an AES-256-GCM data key) and
-RSA-PSS-SHA256 (salt = digest length) or PKCS#1 v1.5-SHA256 signatures."""
+RSA-PSS (MGF1 with the same hash, salt = digest length) or PKCS#1 v1.5 signatures with SHA-256
+by default, SHA-384 or SHA-512 on request (``hash_algorithm``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
 
-from service.crypto import hybrid
+from service.crypto import digests, hybrid
 from service.crypto.aead import AesGcm
 from service.crypto.base import (
     InvalidCiphertext,
@@ -22,19 +23,39 @@ from service.crypto.pkcs8 import load_trusted, load_untrusted, private_der, publ
 
 DEK_SIZE = 32
 OAEP = padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
-_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
 _PKCS1 = padding.PKCS1v15()
-_SHA256 = hashes.SHA256()
-_PREHASHED = Prehashed(hashes.SHA256())
 
 
-def _padding(options: SignOptions) -> padding.AsymmetricPadding:
+class _Scheme:
+    """The padding objects and hash for one hash name, built once."""
+
+    __slots__ = ("message", "prehashed", "pss")
+
+    def __init__(self, algorithm: hashes.HashAlgorithm) -> None:
+        self.pss = padding.PSS(mgf=padding.MGF1(algorithm), salt_length=padding.PSS.DIGEST_LENGTH)
+        self.message = algorithm
+        self.prehashed = Prehashed(algorithm)
+
+
+_SCHEMES = {name: _Scheme(algorithm) for name, algorithm in digests.HASHES.items()}
+
+
+def _scheme(
+    data: bytes, prehashed: bool, options: SignOptions
+) -> tuple[padding.AsymmetricPadding, hashes.HashAlgorithm | Prehashed]:
     options.refuse("encoding", "signer_id")
+    name = digests.choose(options.hash_algorithm, digests.SHA2_256)
+    scheme = _SCHEMES[name]
     if options.algorithm in (None, "pss"):
-        return _PSS
-    if options.algorithm == "pkcs1v15":
-        return _PKCS1
-    raise InvalidOptions("algorithm must be 'pss' or 'pkcs1v15'")
+        pad: padding.AsymmetricPadding = scheme.pss
+    elif options.algorithm == "pkcs1v15":
+        pad = _PKCS1
+    else:
+        raise InvalidOptions("algorithm must be 'pss' or 'pkcs1v15'")
+    if prehashed:
+        digests.check_digest(data, name)
+        return pad, scheme.prehashed
+    return pad, scheme.message
 
 
 class RsaKey(KeyHandle):
@@ -71,15 +92,15 @@ class RsaKey(KeyHandle):
             raise InvalidCiphertext from None
 
     def sign(self, data: bytes, *, prehashed: bool, options: SignOptions) -> bytes:
-        pad = _padding(options)
-        return self._private.sign(data, pad, _PREHASHED if prehashed else _SHA256)
+        pad, algorithm = _scheme(data, prehashed, options)
+        return self._private.sign(data, pad, algorithm)
 
     def verify(
         self, signature: bytes, data: bytes, *, prehashed: bool, options: SignOptions
     ) -> bool:
-        pad = _padding(options)
+        pad, algorithm = _scheme(data, prehashed, options)
         try:
-            self._public.verify(signature, data, pad, _PREHASHED if prehashed else _SHA256)
+            self._public.verify(signature, data, pad, algorithm)
         except (InvalidSignature, ValueError):
             return False
         return True

@@ -79,7 +79,7 @@ def message_digest(
 
 
 def _raw_encoding(options: SignOptions) -> bool:
-    options.refuse("algorithm")
+    options.refuse("algorithm", "hash_algorithm")
     if options.encoding in (None, "der"):
         return False
     if options.encoding == "raw":

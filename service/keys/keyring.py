@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 
+from service.crypto import derived as derivation
 from service.crypto.base import KeyHandle, KeyType
 from service.errors import InvalidRequest, KeyNotFound
 
@@ -23,6 +24,35 @@ def check_key_name(name: str) -> str:
     if not _NAME.match(name) or name in (".", ".."):
         raise InvalidRequest("key name must match [A-Za-z0-9_.-]{1,128} and not be '.' or '..'")
     return name
+
+
+def load_handle(
+    key_type: KeyType,
+    material: bytes,
+    *,
+    name: str,
+    version: int,
+    derived: bool = False,
+    convergent: bool = False,
+) -> KeyHandle:
+    """Parse one version's (authenticated) material; a derived key's handle derives a key per
+    context, bound to this name, version and type."""
+    if not derived:
+        return key_type.load(material)
+    if key_type.derive is None:
+        raise ValueError(f"key type {key_type.name} cannot be derived")
+    binding = derivation.binding(key_type.type_id, name, version)
+    return key_type.derive(material, binding, convergent)
+
+
+def check_key_flags(key_type: KeyType, *, derived: bool, convergent: bool) -> None:
+    """Refuse (400) flags the type cannot have."""
+    if derived and key_type.derive is None:
+        raise InvalidRequest(f"key type {key_type.name} cannot be derived")
+    if convergent and not derived:
+        raise InvalidRequest("'convergent' needs 'derived': true")
+    if convergent and not key_type.convergent:
+        raise InvalidRequest(f"key type {key_type.name} cannot be convergent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +77,8 @@ class Key:
     deletion_allowed: bool
     versions: Mapping[int, KeyVersion]
     activation_delay: float = 0.0
+    derived: bool = False  # every operation takes a context (a key per context, HKDF)
+    convergent: bool = False  # derived encryption with a deterministic nonce
 
     def active_version(self, now: float | None = None) -> int:
         """The version new encryptions and signatures use: the newest one older than the
@@ -89,6 +121,8 @@ class Key:
             "latest_version": self.latest_version,
             "min_decryption_version": self.min_decryption_version,
             "deletion_allowed": self.deletion_allowed,
+            "derived": self.derived,
+            "convergent": self.convergent,
         }
 
     def describe(self) -> dict[str, object]:

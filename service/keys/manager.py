@@ -15,7 +15,7 @@ from pathlib import Path
 from service.crypto.registry import KEY_TYPES
 from service.errors import Conflict, InvalidRequest, KeyNotFound, KeystoreUnavailable
 from service.fileio import FileStamp, atomic_write, file_stamp
-from service.keys.keyring import Key, Keyring, check_key_name
+from service.keys.keyring import Key, Keyring, check_key_flags, check_key_name
 from service.keys.masterkey import MasterKey, WrongMasterKey
 from service.keys.store import (
     KeyRecord,
@@ -165,11 +165,14 @@ class KeyManager:
         *,
         deletion_allowed: bool = False,
         material: bytes | None = None,
+        derived: bool = False,
+        convergent: bool = False,
     ) -> Key:
         """Create a key; ``material`` (already validated by the type's import) imports one."""
         check_key_name(name)
         if type_name not in KEY_TYPES:
             raise InvalidRequest(f"unknown key type {type_name!r}")
+        check_key_flags(KEY_TYPES[type_name], derived=derived, convergent=convergent)
 
         def change(document: KeyringDocument) -> None:
             if name in document.keys:
@@ -179,6 +182,8 @@ class KeyManager:
                 created_at=utc_now(),
                 deletion_allowed=deletion_allowed,
                 versions=[self._new_version(name, type_name, 1, material)],
+                derived=derived,
+                convergent=convergent,
             )
 
         return self._mutate(change)[name]

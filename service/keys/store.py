@@ -20,7 +20,7 @@ import orjson
 
 from service.crypto.registry import KEY_TYPES
 from service.fileio import atomic_write
-from service.keys.keyring import Key, Keyring, KeyVersion, check_key_name
+from service.keys.keyring import Key, Keyring, KeyVersion, check_key_name, load_handle
 from service.keys.masterkey import MasterKey
 
 FILE_FORMAT = "cryptd-keyring/1"
@@ -55,15 +55,23 @@ class KeyRecord:
     min_decryption_version: int = 1
     deletion_allowed: bool = False
     versions: list[VersionRecord] = field(default_factory=list)
+    derived: bool = False
+    convergent: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "type": self.type,
             "created_at": self.created_at,
             "min_decryption_version": self.min_decryption_version,
             "deletion_allowed": self.deletion_allowed,
             "versions": [v.to_json() for v in self.versions],
         }
+        # Written only when set, so the MAC of a file without derived keys is unchanged.
+        if self.derived:
+            data["derived"] = True
+        if self.convergent:
+            data["convergent"] = True
+        return data
 
 
 @dataclass
@@ -121,12 +129,16 @@ class KeyringDocument:
                     raise KeyringFileError(f"key {name!r} has missing or duplicate versions")
                 if rec["type"] not in KEY_TYPES:
                     raise KeyringFileError(f"key {name!r} has unknown type {rec['type']!r}")
+                flags = {flag: rec.get(flag, False) for flag in ("derived", "convergent")}
+                if not all(isinstance(value, bool) for value in flags.values()):
+                    raise KeyringFileError(f"key {name!r} has a non-boolean flag")
                 keys[name] = KeyRecord(
                     type=rec["type"],
                     created_at=str(rec["created_at"]),
                     min_decryption_version=int(rec["min_decryption_version"]),
                     deletion_allowed=bool(rec["deletion_allowed"]),
                     versions=versions,
+                    **flags,
                 )
             return cls(
                 master_key_id=str(raw["master_key_id"]),
@@ -159,7 +171,15 @@ class KeyringDocument:
                 material = master.unwrap(
                     v.material, name=name, version=v.version, type_name=rec.type
                 )
-                versions[v.version] = KeyVersion(v.version, v.created_at, key_type.load(material))
+                handle = load_handle(
+                    key_type,
+                    material,
+                    name=name,
+                    version=v.version,
+                    derived=rec.derived,
+                    convergent=rec.convergent,
+                )
+                versions[v.version] = KeyVersion(v.version, v.created_at, handle)
             keys[name] = Key(
                 name=name,
                 type=key_type,
@@ -168,6 +188,8 @@ class KeyringDocument:
                 deletion_allowed=rec.deletion_allowed,
                 versions=versions,
                 activation_delay=activation_delay,
+                derived=rec.derived,
+                convergent=rec.convergent,
             )
         return Keyring(keys, generation)
 

@@ -7,6 +7,9 @@ Binary body (documented with vectors in docs/FORMAT.md):
 The associated data given to every AEAD is :func:`associated_data`, which binds the token to the
 key's name, version and type, plus the caller's ``aad``; a token therefore never decrypts under
 another key, another version, or with another ``aad``.
+
+An HMAC is written the same way, ``cryptd:v<version>:<base64url(tag), no padding>``, with the
+tag alone (no header), so that anyone holding the key can compute it with any HMAC library.
 """
 
 from __future__ import annotations
@@ -52,6 +55,26 @@ def decode(token: str) -> tuple[int, int, bytes]:
     if fmt != FORMAT:
         raise DecryptionFailed
     return version, type_id, data[_HEADER.size :]
+
+
+def encode_mac(version: int, tag: bytes) -> str:
+    return f"{PREFIX}{version}:{b64.encode_url(tag)}"
+
+
+def decode_mac(text: str) -> tuple[int, bytes | None]:
+    """(version, tag). A text that is not a cryptd MAC is a bad request; a well-formed one whose
+    base64url is not canonical gives no tag (it verifies as false, like any wrong tag)."""
+    match = _TOKEN.match(text)
+    if match is None:
+        raise InvalidRequest("mac is not a cryptd MAC (cryptd:v<N>:<base64url>)")
+    encoded = match.group(2)
+    try:
+        tag = b64.decode_url(encoded)
+    except ValueError:
+        return int(match.group(1)), None
+    if b64.encode_url(tag) != encoded:
+        return int(match.group(1)), None
+    return int(match.group(1)), tag
 
 
 def associated_data(name: str, version: int, type_id: int, aad: bytes) -> bytes:

@@ -1,4 +1,5 @@
-"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey}/{key}: single item or batch, one path."""
+"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey,hmac}/{key}: single item or batch, one
+path."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ from service.keys.keyring import check_key_name
 
 router = APIRouter(prefix="/v1", tags=["crypto"])
 
-BATCHABLE: tuple[OpName, ...] = ("encrypt", "decrypt", "sign", "verify", "rewrap")
+OPERATIONS: tuple[OpName, ...] = (
+    "encrypt",
+    "decrypt",
+    "sign",
+    "verify",
+    "rewrap",
+    "datakey",
+    "hmac",
+)
+BATCHABLE: tuple[OpName, ...] = OPERATIONS
 # Operations that reveal plaintext or commit a key to a statement: one audit line per request.
-AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey"})
+AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey", "hmac"})
 
 
 def json_response(content: Any, status: int = 200) -> Response:
@@ -150,5 +160,5 @@ def _register(op: OpName) -> None:
 
 # The declared routes (OpenAPI, metrics labels); requests reach `handle` via api.dispatch.
 ROUTES: dict[OpName, APIRoute] = {}
-for _op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
+for _op in OPERATIONS:
     _register(_op)

@@ -87,7 +87,13 @@ async def create_key(request: Request, key: str) -> Response:
         request,
         "create",
         key,
-        lambda: manager.create(key, body.type, deletion_allowed=body.deletion_allowed),
+        lambda: manager.create(
+            key,
+            body.type,
+            deletion_allowed=body.deletion_allowed,
+            derived=body.derived,
+            convergent=body.convergent,
+        ),
     )
     assert created is not None
     return json_response(created.metadata(), status=201)
