@@ -8,6 +8,7 @@ import functools
 import gc
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service import __version__
-from service.api import errors
+from service.api import docs, errors
 from service.api.deps import ReadinessCheck, Services
 from service.api.dispatch import CryptoDispatch
 from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
@@ -83,7 +84,11 @@ async def _every(interval: float, what: str, action: Callable[[], Awaitable[None
             log.error(f"{what} failed", extra={"error_type": type(exc).__name__})
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, clock: Callable[[], float] = time.time
+) -> FastAPI:
+    """The application. ``clock`` is what request signatures' ``created`` is checked against
+    (tests inject a fixed one to replay a known-answer vector)."""
     settings = settings or Settings()
     logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
     metrics = Metrics(enabled=settings.metrics)
@@ -200,6 +205,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             fail_open=settings.replay_fail_open,
             on_failure=metrics.auth_failure,
             on_rejection=metrics.rejected,
+            clock=clock,
         )
         inner = BodyLimitMiddleware(
             inner, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
@@ -213,6 +219,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         description="Encryption as a service: keys stay inside, operations come in over REST.",
         lifespan=lifespan,
+        # The document is built from service/api/spec.py; docs.install serves it and the pages.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.services = Services(
         keys=manager,
@@ -226,8 +236,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(keys.router)
     app.include_router(crypto.router)
     app.include_router(random.router)
+    docs.install(app, enabled=settings.docs_enabled(), required=settings.docs is True)
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/metrics")
     async def scrape(request: Request) -> Response:
         # Reading every process's files takes milliseconds: off the event loop.
         body, content_type = await run_in_threadpool(metrics.render)

@@ -81,6 +81,8 @@ class Settings(BaseSettings):
     access_log: bool = False
     audit_log: str = "stderr"  # "stderr", "off" or a file path
     metrics: bool = True
+    # /openapi.json, /docs and /redoc (unsigned): None = on in development, off in production.
+    docs: bool | None = None
 
     dev_dir: Path = Path(".cryptd-dev")
 
@@ -93,6 +95,9 @@ class Settings(BaseSettings):
         """The executor that runs ``key_type``'s batches (and its single items unless inline)."""
         placement = self.executors[key_type]
         return "thread" if placement == "mixed" else placement
+
+    def docs_enabled(self) -> bool:
+        return self.env == "development" if self.docs is None else self.docs
 
     def single_items_inline(self) -> frozenset[str]:
         """Key types whose single items run on the event loop whatever their executor."""

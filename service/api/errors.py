@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from service.api.spec import allowed_methods
 from service.asgi import Send, error_body, send_error
 from service.errors import CryptdError, Overloaded, RateLimited, SchemaError
 
@@ -86,12 +87,21 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return error_response(404, "not_found", "no such route")
     if exc.status_code == 405:
+        allowed = _allowed_methods(request.url.path)
+        headers = {"Allow": allowed} if allowed else exc.headers
         return error_response(
-            405, "method_not_allowed", "method not allowed on this route", exc.headers
+            405, "method_not_allowed", "method not allowed on this route", headers
         )
     code = "invalid_request" if 400 <= exc.status_code < 500 else "internal"
     message = "invalid request" if code == "invalid_request" else "internal error"
     return error_response(exc.status_code, code, message, exc.headers)
+
+
+def _allowed_methods(path: str) -> str | None:
+    """Every declared method on this path (Starlette's own header names only the methods of
+    the first route that matched the path)."""
+    methods = allowed_methods(path)
+    return ", ".join(methods) if methods else None
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:

@@ -5,13 +5,15 @@ malformed item becomes that item's error instead of failing the batch."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from service import b64
 from service.crypto.base import SignOptions
+from service.crypto.digests import HASHES
+from service.crypto.registry import KEY_TYPES
 from service.engine import (
     DatakeyItem,
     DecryptItem,
@@ -30,81 +32,184 @@ MAX_SIGNER_ID_BYTES = 255
 MAX_RANDOM_BYTES = 65536
 M = TypeVar("M", bound=BaseModel)
 
+# What the document states beyond the JSON types. The values are checked after parsing (400
+# invalid_request, as the contract has it for bad base64, versions and options), so these are
+# given to the schema only (json_schema_extra), not to pydantic's validation (which answers 422).
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+CIPHERTEXT_PATTERN = r"^cryptd:v[1-9][0-9]*:[A-Za-z0-9_-]+$"
+KEY_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+SIGN_ALGORITHMS = ("pss", "pkcs1v15")
+SIGNATURE_ENCODINGS = ("der", "raw")
+
+Base64 = Annotated[
+    str,
+    Field(
+        json_schema_extra={"pattern": BASE64_PATTERN, "contentEncoding": "base64"},
+        description="Standard base64 (RFC 4648 section 4), padded.",
+    ),
+]
+Token = Annotated[
+    str,
+    Field(
+        json_schema_extra={"pattern": CIPHERTEXT_PATTERN},
+        description="Ciphertext token: cryptd:v<version>:<base64url, no padding>.",
+    ),
+]
+Context = Annotated[
+    str,
+    Field(
+        json_schema_extra={"pattern": BASE64_PATTERN, "contentEncoding": "base64"},
+        description="Derived keys: the derivation context (required); other keys refuse it.",
+    ),
+]
+KeyName = Annotated[
+    str,
+    Field(json_schema_extra={"pattern": KEY_NAME_PATTERN, "not": {"enum": [".", ".."]}}),
+]
+KeyTypeName = Annotated[str, Field(json_schema_extra={"enum": sorted(KEY_TYPES)})]
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer includes 2.0 (a number with no fractional part): take it as 2;
+    1.5 stays a wrong type."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+VersionNumber = Annotated[Integer, Field(json_schema_extra={"minimum": 1})]
+ExternalFormat = Annotated[
+    str,
+    Field(
+        json_schema_extra={
+            "enum": sorted({f for t in KEY_TYPES.values() for f in t.external_formats})
+        }
+    ),
+]
+SignAlgorithm = Annotated[str, Field(json_schema_extra={"enum": list(SIGN_ALGORITHMS)})]
+SignatureEncoding = Annotated[str, Field(json_schema_extra={"enum": list(SIGNATURE_ENCODINGS)})]
+HashAlgorithm = Annotated[str, Field(json_schema_extra={"enum": list(HASHES)})]
+
+
+def _exactly_one(*fields: str) -> dict[str, Any]:
+    """JSON Schema for "exactly one of each pair of fields holds a value" (null counts as
+    absent): ``_exactly_one("message", "digest")``. A single ``not``, so the object keeps its
+    one set of properties for code generators."""
+    refused: list[dict[str, Any]] = []
+    for first, second in zip(fields[::2], fields[1::2], strict=True):
+        refused.append(
+            {
+                "required": [first, second],
+                "properties": {first: {"type": "string"}, second: {"type": "string"}},
+            }
+        )
+        refused.append({"properties": {first: {"type": "null"}, second: {"type": "null"}}})
+    return {"not": {"anyOf": refused}}
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 class EncryptRequest(_Body):
-    plaintext: str
-    aad: str | None = None
-    key_version: int | None = None
-    context: str | None = None
+    plaintext: Base64
+    aad: Base64 | None = None
+    key_version: VersionNumber | None = None
+    context: Context | None = None
 
 
 class DecryptRequest(_Body):
-    ciphertext: str
-    aad: str | None = None
-    format: str | None = None
-    key_version: int | None = None
-    context: str | None = None
+    ciphertext: str = Field(
+        description="A token, or with 'format' the base64 of ciphertext made outside cryptd."
+    )
+    aad: Base64 | None = None
+    format: ExternalFormat | None = None
+    key_version: VersionNumber | None = None
+    context: Context | None = None
 
 
 class SignRequest(_Body):
-    message: str | None = None
-    digest: str | None = None
-    algorithm: str | None = None
-    signer_id: str | None = None
-    encoding: str | None = None
-    hash_algorithm: str | None = None
-    key_version: int | None = None
+    model_config = ConfigDict(json_schema_extra=_exactly_one("message", "digest"))
+    message: Base64 | None = None
+    digest: Base64 | None = None
+    algorithm: SignAlgorithm | None = None
+    signer_id: str | None = Field(default=None, description="SM2 signer ID, 0-255 bytes of UTF-8.")
+    encoding: SignatureEncoding | None = None
+    hash_algorithm: HashAlgorithm | None = None
+    key_version: VersionNumber | None = None
 
 
 class VerifyRequest(SignRequest):
     """A signature (signing keys) or a MAC (HMAC keys, with ``message`` and ``context`` if
     derived): exactly one of ``signature`` and ``mac``."""
 
-    signature: str | None = None
-    mac: str | None = None
-    context: str | None = None
+    model_config = ConfigDict(
+        json_schema_extra=_exactly_one("message", "digest", "signature", "mac")
+    )
+    signature: Base64 | None = None
+    mac: str | None = Field(default=None, description="An HMAC tag token (from /v1/hmac).")
+    context: Context | None = None
 
 
 class RewrapRequest(_Body):
-    ciphertext: str
-    aad: str | None = None
-    to_key: str | None = None
-    context: str | None = None
+    ciphertext: Token
+    aad: Base64 | None = None
+    to_key: KeyName | None = None
+    context: Context | None = None
 
 
 class DatakeyRequest(_Body):
-    bits: int = 256
-    aad: str | None = None
-    plaintext: bool = True
-    context: str | None = None
+    bits: Annotated[Integer, Field(json_schema_extra={"enum": [128, 256]})] = 256
+    aad: Base64 | None = None
+    plaintext: bool = Field(default=True, description="false: the wrapped key only.")
+    context: Context | None = None
 
 
 class HmacRequest(_Body):
-    message: str
-    key_version: int | None = None
-    context: str | None = None
+    message: Base64
+    key_version: VersionNumber | None = None
+    context: Context | None = None
 
 
 class RandomRequest(_Body):
-    bytes: int
+    bytes: Annotated[Integer, Field(json_schema_extra={"minimum": 1, "maximum": 65536})]
 
 
 class CreateKeyRequest(_Body):
-    type: str
+    # convergent needs derived (400 otherwise)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["convergent"],
+                "properties": {"convergent": {"const": True}, "derived": {"const": False}},
+            }
+        }
+    )
+    type: KeyTypeName
     deletion_allowed: bool = False
     derived: bool = False
     convergent: bool = False
 
 
-class UpdateKeyRequest(BaseModel):
-    # Unknown fields are ignored so that "no known field" can be told apart (400).
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-    min_decryption_version: int | None = None
+def _some_change(schema: dict[str, Any]) -> None:
+    # A PATCH must change something: at least one known field with a value (400 otherwise).
+    schema["not"] = {"properties": {name: {"type": "null"} for name in schema["properties"]}}
+
+
+class UpdateKeyRequest(_Body):
+    model_config = ConfigDict(json_schema_extra=_some_change)
+    min_decryption_version: VersionNumber | None = None
     deletion_allowed: bool | None = None
+
+
+def parse_update(body: bytes) -> UpdateKeyRequest:
+    """A PATCH body: no known field is 400 (the contract), an unknown one beside them 422."""
+    document = parse_json_object(body)
+    if not document.keys() & UpdateKeyRequest.model_fields.keys():
+        known = ", ".join(UpdateKeyRequest.model_fields)
+        raise InvalidRequest(f"nothing to change: send one of {known}")
+    return _validate(UpdateKeyRequest, document)
 
 
 def decode_b64(value: str, field: str) -> bytes:
@@ -242,16 +347,6 @@ PARSERS: dict[OpName, Callable[[Any], Item]] = {
     "rewrap": _rewrap,
     "datakey": _datakey,
     "hmac": _hmac,
-}
-
-MODELS: dict[OpName, type[BaseModel]] = {
-    "encrypt": EncryptRequest,
-    "decrypt": DecryptRequest,
-    "sign": SignRequest,
-    "verify": VerifyRequest,
-    "rewrap": RewrapRequest,
-    "datakey": DatakeyRequest,
-    "hmac": HmacRequest,
 }
 
 

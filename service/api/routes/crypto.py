@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from service.api import deps
-from service.api.schemas import MODELS, PARSERS, parse_json_object
+from service.api.schemas import PARSERS, parse_json_object
 from service.engine import Item, OpName, Outcome, RewrapItem, error_entry, translate
 from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
 from service.keys.keyring import check_key_name
@@ -126,20 +126,6 @@ async def _execute(request: Request, op: OpName, key: str) -> dict[str, Any]:
 
 
 def _register(op: OpName) -> None:
-    model = MODELS[op]
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    if op in BATCHABLE:
-        schema = {
-            "oneOf": [
-                schema,
-                {
-                    "type": "object",
-                    "properties": {"batch": {"type": "array", "items": schema}},
-                    "required": ["batch"],
-                },
-            ]
-        }
-
     async def endpoint(request: Request, key: str) -> Response:
         return Response(await handle(request, op, key), media_type="application/json")
 
@@ -148,17 +134,14 @@ def _register(op: OpName) -> None:
         f"/{op}/{{key}}",
         endpoint,
         methods=["POST"],
-        summary=f"{op} with a named key" + (" (single item or batch)" if op in BATCHABLE else ""),
-        openapi_extra={
-            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
-        },
     )
     route = router.routes[-1]
     assert isinstance(route, APIRoute)
     ROUTES[op] = route
 
 
-# The declared routes (OpenAPI, metrics labels); requests reach `handle` via api.dispatch.
+# The routes (metrics labels, 405 answers); requests reach `handle` via api.dispatch. Their
+# bodies and answers are declared in service/api/spec.py (the OpenAPI document).
 ROUTES: dict[OpName, APIRoute] = {}
 for _op in OPERATIONS:
     _register(_op)

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from service.api import deps
 from service.api.routes.crypto import json_response
-from service.api.schemas import CreateKeyRequest, UpdateKeyRequest, parse_model
+from service.api.schemas import CreateKeyRequest, parse_model, parse_update
 from service.errors import CryptdError
 from service.keys.keyring import Key, check_key_name
 
@@ -69,16 +69,7 @@ async def describe_key(request: Request, key: str) -> Response:
     return json_response(deps.services(request).keys.keyring.key(key).describe())
 
 
-@router.post(
-    "/{key}",
-    status_code=201,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": CreateKeyRequest.model_json_schema()}},
-        }
-    },
-)
+@router.post("/{key}", status_code=201)
 async def create_key(request: Request, key: str) -> Response:
     check_key_name(key)  # before the body: a bad name is 400 on every route
     body = parse_model(CreateKeyRequest, await request.body())
@@ -107,18 +98,10 @@ async def rotate_key(request: Request, key: str) -> Response:
     return json_response(rotated.metadata())
 
 
-@router.patch(
-    "/{key}",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": UpdateKeyRequest.model_json_schema()}},
-        }
-    },
-)
+@router.patch("/{key}")
 async def update_key(request: Request, key: str) -> Response:
     check_key_name(key)
-    body = parse_model(UpdateKeyRequest, await request.body())
+    body = parse_update(await request.body())
     manager = deps.services(request).keys
     updated = await _manage(
         request,

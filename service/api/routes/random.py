@@ -15,16 +15,7 @@ from service.api.schemas import RandomRequest, parse_model, random_size
 router = APIRouter(prefix="/v1", tags=["random"])
 
 
-@router.post(
-    "/random",
-    summary="random bytes from the OS CSPRNG",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": RandomRequest.model_json_schema()}},
-        }
-    },
-)
+@router.post("/random")  # declared in service/api/spec.py
 async def random_bytes(request: Request) -> Response:
     deps.note(request, operation="random")
     deps.authorize_keyless(request, "random")

@@ -1,0 +1,140 @@
+"""Response bodies, as pydantic models: they exist to describe the wire (the OpenAPI document
+and the tests that hold answers to it). The routes build their answers as plain dicts on the
+hot path; the schemas here say exactly what those dicts hold."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.api.schemas import Base64, KeyName, KeyTypeName, Token
+
+Version = Annotated[int, Field(ge=1, description="Key version (1, 2, ...).")]
+Timestamp = Annotated[
+    str,
+    Field(
+        json_schema_extra={"format": "date-time", "pattern": "Z$"},
+        description="RFC 3339, UTC, with a 'Z' suffix.",
+    ),
+]
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EncryptResponse(_Answer):
+    ciphertext: Token
+    key_version: Version
+
+
+class DecryptResponse(_Answer):
+    plaintext: Base64
+    key_version: Version
+
+
+class SignResponse(_Answer):
+    signature: Base64
+    key_version: Version
+
+
+class VerifyResponse(_Answer):
+    valid: bool = Field(description="false for any signature bytes that do not verify")
+
+
+class DatakeyResponse(_Answer):
+    plaintext: Base64 | None = Field(
+        default=None,
+        description="The data key itself: use it, then forget it (absent with plaintext: false).",
+    )
+    ciphertext: Token = Field(description="The same data key wrapped by the named key.")
+    key_version: Version
+
+
+class HmacResponse(_Answer):
+    mac: Token = Field(description="The tag as a token: cryptd:v<version>:<base64url tag>.")
+    key_version: Version
+
+
+class RandomResponse(_Answer):
+    random: Base64
+
+
+class ErrorDetail(_Answer):
+    code: str = Field(description="Stable error code (the contract's table).")
+    message: str = Field(description="Safe to show: never key material, plaintext or secrets.")
+
+
+class Error(_Answer):
+    """Every error, whatever the status."""
+
+    error: ErrorDetail
+
+
+class KeySummary(_Answer):
+    name: KeyName
+    type: KeyTypeName
+    latest_version: Version
+    min_decryption_version: Version
+
+
+class KeyList(_Answer):
+    keys: list[KeySummary]
+
+
+class KeyMetadata(_Answer):
+    name: KeyName
+    type: KeyTypeName
+    created_at: Timestamp
+    latest_version: Version
+    min_decryption_version: Version
+    deletion_allowed: bool
+    derived: bool = Field(description="Every operation takes a context (HKDF-derived keys).")
+    convergent: bool = Field(description="Same plaintext, aad and context: same ciphertext.")
+
+
+class KeyVersionInfo(_Answer):
+    version: Version
+    created_at: Timestamp
+    public_key_pem: str | None = Field(
+        default=None, description="SubjectPublicKeyInfo PEM (asymmetric keys only)."
+    )
+    public_key_raw: str | None = Field(
+        default=None, description="Customary raw encoding (SM2: hex 04||x||y)."
+    )
+
+
+class KeyDescription(KeyMetadata):
+    versions: list[KeyVersionInfo]
+
+
+class Health(_Answer):
+    status: Literal["ok"]
+
+
+class Readiness(_Answer):
+    status: Literal["ready", "degraded", "not_ready"]
+    checks: dict[str, dict[str, Any]] = Field(
+        description="One entry per check (keyring, pool, replay_store, ...), each with 'ok'."
+    )
+
+
+__all__ = [
+    "DatakeyResponse",
+    "DecryptResponse",
+    "EncryptResponse",
+    "Error",
+    "ErrorDetail",
+    "Health",
+    "HmacResponse",
+    "KeyDescription",
+    "KeyList",
+    "KeyMetadata",
+    "KeySummary",
+    "KeyVersionInfo",
+    "RandomResponse",
+    "Readiness",
+    "SignResponse",
+    "VerifyResponse",
+]

@@ -1,0 +1,174 @@
+"""The API's one declaration: every route, its request body, its answers and the error codes
+it can give. The OpenAPI document (``/openapi.json``, ``docs/openapi.json``) is built from this
+table alone (service/api/openapi.py); a test fails when a FastAPI route is missing here or when
+the committed document differs from the generated one.
+
+To add a route: register it in its router as usual, then add one ``Route(...)`` line to
+``ROUTES`` below: method, path, operation id, summary, request model (a pydantic model, or
+None), success answers ``{status: model | None}``, and the error codes it can give (start
+from ``SIGNED``, ``KEYED`` or ``MANAGE``, add ``BODY`` for a JSON body, then its own).
+``batch=True`` declares the ``{"batch": [...]}`` forms of the request and the answer too.
+A new error code goes into ``service.api.errors.STATUS`` (its status) and ``ERROR_CODES`` here
+(when it happens); a code every signed route can give goes into ``SIGNED``. Then regenerate:
+
+    python -m service.api.openapi --write      # docs/openapi.json
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from service.api import responses as r
+from service.api import schemas as s
+
+# code -> when it happens (the response descriptions list these per status).
+ERROR_CODES: Mapping[str, str] = {
+    "invalid_request": "malformed JSON, bad base64, wrong JSON types, bad key name, an option "
+    "or operation the key type does not support, a version below 1 or below "
+    "min_decryption_version, an empty batch",
+    "decryption_failed": "any decryption failure (one message for every cause: no oracle)",
+    "unauthenticated": "missing, malformed, stale, future, replayed or wrong request "
+    "signature, or a body that does not match Content-Digest (one message for every cause)",
+    "forbidden": "the client's policy does not allow this operation on this key",
+    "key_not_found": "unknown key or key version",
+    "not_found": "no such route (a key name holding '/' reaches none)",
+    "method_not_allowed": "a known route called with another method (with Allow); not "
+    "listed per operation",
+    "conflict": "the key exists already; deleting a key without deletion_allowed; a "
+    "read-only keyring",
+    "payload_too_large": "body over the body limit, or a batch over the item limit",
+    "schema": "a missing or unknown field (code invalid_request)",
+    "rate_limited": "the client's rate limit (see Retry-After)",
+    "overloaded": "the work queue is full, the event loop runs late, or the replay store is "
+    "unavailable (see Retry-After)",
+    "keystore_unavailable": "the key store cannot be verified, read or written: key "
+    "management is refused, crypto keeps serving from memory",
+    "internal": "an unexpected failure; never a stack trace, key or plaintext",
+}
+
+ANY: tuple[str, ...] = ("internal",)
+# Every signed /v1/ request: the edge (signature, replay, rate limit, body limit, load shedding).
+SIGNED: tuple[str, ...] = (
+    *ANY,
+    "invalid_request",
+    "unauthenticated",
+    "payload_too_large",
+    "rate_limited",
+    "overloaded",
+)
+# A route with a {key} segment: the name is checked, the policy applied, the key looked up.
+KEYED: tuple[str, ...] = (*SIGNED, "forbidden", "key_not_found", "not_found")
+# A route with a JSON body: schema validation (422).
+BODY: tuple[str, ...] = ("schema",)
+# Key management (admin): it writes the key store.
+MANAGE: tuple[str, ...] = (*KEYED, "conflict", "keystore_unavailable")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    operation_id: str
+    summary: str
+    request: type[BaseModel] | None
+    answers: Mapping[int, type[BaseModel] | None]
+    errors: tuple[str, ...]
+    batch: bool = False
+    signed: bool = True
+    tag: str = "crypto"
+    description: str = ""
+    media_type: str = "application/json"
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.errors))
+
+
+def _crypto(
+    op: str,
+    summary: str,
+    request: type[BaseModel],
+    answer: type[BaseModel],
+    *extra: str,
+    batch: bool = True,
+) -> Route:
+    return Route(
+        "POST",
+        f"/v1/{op}/{{key}}",
+        op,
+        summary,
+        request,
+        {200: answer},
+        (*KEYED, *BODY, *extra),
+        batch=batch,
+    )
+
+
+ROUTES: tuple[Route, ...] = (
+    # crypto
+    _crypto("encrypt", "Encrypt with a named key", s.EncryptRequest, r.EncryptResponse),
+    _crypto(
+        "decrypt",
+        "Decrypt a token, or ciphertext made outside cryptd",
+        s.DecryptRequest,
+        r.DecryptResponse,
+        "decryption_failed",
+    ),
+    _crypto("sign", "Sign a message or a digest", s.SignRequest, r.SignResponse),
+    _crypto(
+        "verify", "Verify a signature, or an HMAC tag", s.VerifyRequest, r.VerifyResponse
+    ),
+    _crypto(
+        "rewrap",
+        "Re-encrypt under the latest version or another key (plaintext stays inside)",
+        s.RewrapRequest,
+        r.EncryptResponse,
+        "decryption_failed",
+    ),
+    _crypto(
+        "datakey", "A fresh data key, and the same key wrapped", s.DatakeyRequest, r.DatakeyResponse
+    ),
+    _crypto("hmac", "HMAC of a message (HMAC keys)", s.HmacRequest, r.HmacResponse),
+    Route("POST", "/v1/random", "random", "Random bytes from the OS CSPRNG", s.RandomRequest,
+          {200: r.RandomResponse}, (*SIGNED, "forbidden", *BODY)),
+    # keys
+    Route("GET", "/v1/keys", "list_keys", "Keys this client may read", None, {200: r.KeyList},
+          SIGNED, tag="keys"),
+    Route("GET", "/v1/keys/{key}", "get_key", "A key's metadata and public keys", None,
+          {200: r.KeyDescription}, KEYED, tag="keys"),
+    Route("POST", "/v1/keys/{key}", "create_key", "Create a key (admin)", s.CreateKeyRequest,
+          {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+    Route("PATCH", "/v1/keys/{key}", "update_key", "Change a key's settings (admin)",
+          s.UpdateKeyRequest, {200: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+    Route("DELETE", "/v1/keys/{key}", "delete_key", "Delete a key (admin)", None, {204: None},
+          MANAGE, tag="keys"),
+    Route("POST", "/v1/keys/{key}/rotate", "rotate_key", "Add a version (admin)", None,
+          {200: r.KeyMetadata}, MANAGE, tag="keys"),
+    # health (unsigned)
+    Route("GET", "/healthz", "healthz", "Liveness", None, {200: r.Health}, ANY, signed=False,
+          tag="health"),
+    Route("GET", "/readyz", "readyz", "Readiness", None, {200: r.Readiness, 503: r.Readiness},
+          ANY, signed=False, tag="health",
+          description="503 (same body) while a check fails."),
+    Route("GET", "/metrics", "metrics", "Prometheus text exposition", None, {200: None}, ANY,
+          signed=False, tag="health", media_type="text/plain"),
+)  # fmt: skip
+
+
+def _template(path: str) -> re.Pattern[str]:
+    return re.compile("^" + re.sub(r"\\{[a-z_]+\\}", "[^/]+", re.escape(path)) + "$")
+
+
+_TEMPLATES = [(_template(route.path), route.method) for route in ROUTES]
+
+
+def allowed_methods(path: str) -> list[str]:
+    """The methods declared for a concrete path (with HEAD where GET is), sorted."""
+    methods = {method for template, method in _TEMPLATES if template.match(path)}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
