@@ -71,6 +71,19 @@ def parse_wrk_output(stdout: str) -> dict[str, Any]:
     raise RuntimeError(f"wrk printed no {MARKER.strip()} line:\n{stdout[-2000:]}")
 
 
+@dataclass(frozen=True)
+class WrkStream:
+    """One wrk process of a measurement: ``script`` with its arguments against ``url``."""
+
+    script: str
+    url: str
+    args: list[str]
+    connections: int
+    threads: int = 1
+    env: Mapping[str, str] | None = None
+    items: int = 1
+
+
 def run_wrk(
     script: str,
     url: str,
@@ -89,35 +102,62 @@ def run_wrk(
     Server CPU is read from /proc around the run, client CPU is wrk's own rusage, and the
     CPU everything else on the machine took in the meantime is reported too.
     """
+    stream = WrkStream(script, url, args, connections, threads, env, items)
+    return run_wrk_streams([stream], duration=duration, server_pid=server_pid, timeout_s=timeout_s)[
+        0
+    ]
+
+
+def run_wrk_streams(
+    streams: Sequence[WrkStream],
+    *,
+    duration: float,
+    server_pid: int | Sequence[int] | None = None,
+    timeout_s: float = 10.0,
+) -> list[Measurement]:
+    """Run several wrk processes at once (mixed traffic) and return each one's figures. The
+    CPU figures (server, client, others) are those of the whole window, the same in each."""
     wrk = find_wrk()
     if wrk is None:
         raise RuntimeError("wrk is not installed (apt-get install -y wrk)")
-    command = [
-        wrk,
-        f"-t{threads}",
-        f"-c{connections}",
-        f"-d{max(1, round(duration))}s",
-        f"--timeout={max(1, round(timeout_s))}s",
-        "-s",
-        str(WRK_DIR / script),
-        url,
-        "--",
-        *args,
+    commands = [
+        [
+            wrk,
+            f"-t{stream.threads}",
+            f"-c{stream.connections}",
+            f"-d{max(1, round(duration))}s",
+            f"--timeout={max(1, round(timeout_s))}s",
+            "-s",
+            str(WRK_DIR / stream.script),
+            stream.url,
+            "--",
+            *stream.args,
+        ]
+        for stream in streams
     ]
     with CpuWindow(server_pid, "children") as window:
-        done = subprocess.run(
-            command,
-            env={**os.environ, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=duration + 60,
-            check=False,
-        )
+        processes = [
+            subprocess.Popen(
+                command,
+                env={**os.environ, **(stream.env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for command, stream in zip(commands, streams, strict=True)
+        ]
+        outputs = [process.communicate(timeout=duration + 60) for process in processes]
     cpu = window.usage
     assert cpu is not None
-    if done.returncode != 0:
-        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr[-2000:]}")
-    data = parse_wrk_output(done.stdout)
+    results = []
+    for process, (stdout, stderr), stream in zip(processes, outputs, streams, strict=True):
+        if process.returncode != 0:
+            raise RuntimeError(f"wrk failed ({process.returncode}): {stderr[-2000:]}")
+        results.append(_measurement(parse_wrk_output(stdout), stream.items, cpu))
+    return results
+
+
+def _measurement(data: dict[str, Any], items: int, cpu: Any) -> Measurement:
     errors: dict[str, int] = data["errors"]
     latency = data["latency_us"]
     seconds = data["duration_us"] / 1e6

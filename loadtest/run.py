@@ -38,13 +38,30 @@ from typing import Any, Final
 import orjson
 
 from loadtest import overhead
-from loadtest.measure import Measurement, find_wrk, run_wrk
+from loadtest.measure import Measurement, WrkStream, find_wrk, run_wrk, run_wrk_streams
 from loadtest.openloop import http_request, run_open_loop
 from loadtest.probe import RoundTrip, get_request, keepalive_round_trip
 from loadtest.procstat import wait_for_quiet
-from loadtest.report import CaseStudy, Comparison, capacity_table, comparison_table, summarize
-from loadtest.scenarios import BY_NAME, CASE_STUDY, SCENARIOS, Scenario
-from loadtest.targets import Cryptd, OpenBao, Target, check_response, find_bao, prepare_body
+from loadtest.report import (
+    CaseStudy,
+    Ceiling,
+    Comparison,
+    MixResult,
+    capacity_table,
+    comparison_table,
+    summarize,
+)
+from loadtest.scenarios import BY_NAME, CASE_STUDY, MIX_BY_NAME, SCENARIOS, Mix, Scenario
+from loadtest.targets import (
+    Bare,
+    Cryptd,
+    OpenBao,
+    PrivateRedis,
+    Target,
+    check_response,
+    find_bao,
+    prepare_body,
+)
 from service.auth.signature import sign_request
 
 RESULTS_DIR: Final = Path(__file__).resolve().parent / "results"
@@ -53,6 +70,67 @@ CALIBRATION_DEFAULT: Final = tuple(s.name for s in SCENARIOS if s.openbao is not
 CALIBRATION_QUICK: Final = ("aes-encrypt", "rsa-sign")
 # Two worker processes must beat one by this much to be worth the extra memory and processes.
 WORKERS_MARGIN: Final = 1.03
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the load generators and the servers run. Pinned (the default with two CPUs or
+    more): the runner, wrk and the open-loop generator on ``client``, every server (cryptd and
+    its Redis, OpenBao, the bare-ASGI ceiling) on ``server``, OpenBao with GOMAXPROCS equal to
+    their number. Shared: everything anywhere (``--shared-cores``)."""
+
+    pinned: bool
+    client: frozenset[int]
+    server: frozenset[int]
+
+    @property
+    def server_cpus(self) -> frozenset[int] | None:
+        return self.server if self.pinned else None
+
+    @property
+    def server_cores(self) -> int:
+        """The cores the servers may use: what ops per server core divides by."""
+        return len(self.server)
+
+    def summary(self) -> str:
+        if not self.pinned:
+            return f"shared cores: servers and load generators on the same {len(self.server)}"
+        return (
+            f"pinned: load generators on CPU {_cpu_list(self.client)}, "
+            f"servers on CPU {_cpu_list(self.server)}"
+        )
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def _parse_cpus(text: str) -> frozenset[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(cpus)
+
+
+def make_topology(args: argparse.Namespace) -> Topology:
+    available = sorted(os.sched_getaffinity(0))
+    if args.shared_cores or len(available) < 2:
+        every = frozenset(available)
+        return Topology(False, every, every)
+    if args.server_cpus:
+        server = _parse_cpus(args.server_cpus)
+    else:
+        # Half the CPUs each (the load generator gets the first ones): 1 + 1 on two.
+        server = frozenset(available[len(available) // 2 :])
+    client = _parse_cpus(args.client_cpus) if args.client_cpus else frozenset(available) - server
+    if not client or not server or client & server:
+        raise SystemExit("--client-cpus and --server-cpus must be disjoint and non-empty")
+    if not (client | server) <= set(available):
+        raise SystemExit(
+            f"CPUs outside this process's affinity ({_cpu_list(frozenset(available))})"
+        )
+    return Topology(True, client, server)
 
 
 @dataclass(frozen=True)
@@ -72,17 +150,23 @@ class Plan:
     # wrk computes each cryptd body's Content-Digest once per thread (the body never changes;
     # nonce, created and HMAC stay per request); False: pure-Lua SHA-256 on every request.
     digest_once: bool = True
+    topology: Topology = Topology(False, frozenset({0}), frozenset({0}))
+    ceiling: bool = True  # measure the bare-ASGI ceiling beside aes-encrypt
+    mixes: tuple[str, ...] = ()
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     quick = args.quick
     if args.scenarios == "none":  # the case study alone
-        scenarios: tuple[str, ...] = ()
+        chosen: tuple[str, ...] = ()
     else:
-        scenarios = tuple(args.scenarios.split(",")) if args.scenarios else tuple(BY_NAME)
-    unknown = [s for s in scenarios if s not in BY_NAME]
+        chosen = tuple(args.scenarios.split(",")) if args.scenarios else (*BY_NAME, *MIX_BY_NAME)
+    unknown = [s for s in chosen if s not in BY_NAME and s not in MIX_BY_NAME]
     if unknown:
-        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
+        known = ", ".join([*BY_NAME, *MIX_BY_NAME])
+        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {known})")
+    scenarios = tuple(s for s in chosen if s in BY_NAME)
+    mixes = tuple(s for s in chosen if s in MIX_BY_NAME)
     return Plan(
         duration=args.duration or (3.0 if quick else 10.0),
         rounds=args.rounds or (1 if quick else 3),
@@ -97,6 +181,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         quiet_threshold=args.quiet,
         quiet_wait=args.quiet_wait if args.quiet > 0 else 0.0,
         digest_once=not args.digest_every_request,
+        topology=make_topology(args),
+        ceiling=not args.no_ceiling,
+        mixes=mixes,
     )
 
 
@@ -172,30 +259,74 @@ def _others(m: Measurement) -> float:
     return (m.others_cpu_s or 0.0) / m.seconds if m.seconds else 0.0
 
 
+AnyTarget = Cryptd | OpenBao | Bare
+
+
+def stream(
+    target: AnyTarget,
+    scenario: Scenario,
+    prepared: Prepared,
+    plan: Plan,
+    connections: int | None = None,
+    signer: Cryptd | None = None,
+) -> WrkStream:
+    """The wrk process that drives ``scenario`` against ``target``. The bare-ASGI ceiling
+    gets cryptd's requests, signed the same way (``signer``'s credentials), which it ignores."""
+    if isinstance(target, OpenBao):
+        script, env = "openbao.lua", {"BAO_TOKEN": target.token}
+        body = prepared.files[(target.name, scenario.name)]
+    else:
+        credentials = target if isinstance(target, Cryptd) else signer
+        if credentials is None:
+            raise ValueError("the bare target needs a cryptd signer's credentials")
+        script, env = "cryptd.lua", {"CRYPTD_CREDENTIALS": str(credentials.credentials)}
+        if plan.digest_once:
+            env["CRYPTD_LT_DIGEST"] = "once"
+        body = prepared.files[("cryptd", scenario.name)]
+    return WrkStream(
+        script,
+        target.url,
+        [scenario.name, str(body)],
+        connections or plan.connections,
+        plan.threads,
+        env,
+        scenario.items,
+    )
+
+
 def measure(
-    target: Cryptd | OpenBao,
+    target: AnyTarget,
     scenario: Scenario,
     prepared: Prepared,
     plan: Plan,
     duration: float,
+    connections: int | None = None,
+    signer: Cryptd | None = None,
 ) -> Measurement:
-    if isinstance(target, Cryptd):
-        script, env = "cryptd.lua", {"CRYPTD_CREDENTIALS": str(target.credentials)}
-        if plan.digest_once:
-            env["CRYPTD_LT_DIGEST"] = "once"
-    else:
-        script, env = "openbao.lua", {"BAO_TOKEN": target.token}
+    one = stream(target, scenario, prepared, plan, connections, signer)
     return run_wrk(
-        script,
-        target.url,
-        [scenario.name, str(prepared.files[(target.name, scenario.name)])],
-        connections=plan.connections,
-        threads=plan.threads,
+        one.script,
+        one.url,
+        one.args,
+        connections=one.connections,
+        threads=one.threads,
         duration=duration,
-        env=env,
+        env=one.env,
         server_pid=target.pids,
-        items=scenario.items,
+        items=one.items,
     )
+
+
+def measure_mix(
+    target: Cryptd | OpenBao, mix: Mix, prepared: Prepared, plan: Plan, duration: float
+) -> dict[str, Measurement]:
+    """Every stream of ``mix`` at once against ``target``; figures per stream."""
+    streams = [
+        stream(target, BY_NAME[name], prepared, plan, connections)
+        for name, connections in mix.streams
+    ]
+    found = run_wrk_streams(streams, duration=duration, server_pid=target.pids)
+    return {name: m for (name, _), m in zip(mix.streams, found, strict=True)}
 
 
 def describe(m: Measurement) -> str:
@@ -256,7 +387,8 @@ def calibrate_workers(
     """Measure 1 and 2 server workers side by side (both servers up, measured in turn on each
     calibration scenario, so both see the same machine); keep the faster."""
     scenarios = [BY_NAME[name] for name in plan.calibration_scenarios]
-    servers = {w: Cryptd(workdir, w, cryptd_env(w, redis)) for w in (1, 2)}
+    cpus = plan.topology.server_cpus
+    servers = {w: Cryptd(workdir, w, cryptd_env(w, redis), cpus) for w in (1, 2)}
     figures: dict[str, dict[str, Any]] = {str(w): {"ops": {}} for w in servers}
     try:
         for server in servers.values():
@@ -297,7 +429,12 @@ def metrics_cost(
     """aes-encrypt against two cryptd servers, CRYPTD_METRICS on and off, alternating."""
     scenario = BY_NAME["aes-encrypt"]
     servers = {
-        flag: Cryptd(workdir, workers, {**cryptd_env(workers, redis), "CRYPTD_METRICS": flag})
+        flag: Cryptd(
+            workdir,
+            workers,
+            {**cryptd_env(workers, redis), "CRYPTD_METRICS": flag},
+            plan.topology.server_cpus,
+        )
         for flag in ("true", "false")
     }
     runs: dict[str, list[Measurement]] = {"true": [], "false": []}
@@ -372,34 +509,96 @@ def machine() -> dict[str, Any]:
     }
 
 
+CEILING_SCENARIO: Final = "aes-encrypt"  # the bare-ASGI ceiling is measured beside it
+
+
 def run_rounds(
     cryptd: Cryptd,
     bao: OpenBao | None,
     prepared: Prepared,
     plan: Plan,
+    bare: Bare | None = None,
 ) -> dict[str, dict[str, list[Measurement]]]:
+    """Every scenario against every target, alternating the order round by round. With
+    ``bare``, the ceiling is a third target of the ceiling scenario."""
     runs: dict[str, dict[str, list[Measurement]]] = {
-        name: {"cryptd": [], "openbao": []} for name in plan.scenarios
+        name: {"cryptd": [], "openbao": [], "bare": []} for name in plan.scenarios
     }
-    targets: list[Cryptd | OpenBao] = [cryptd] + ([bao] if bao else [])
+    targets: list[AnyTarget] = [cryptd] + ([bao] if bao else [])
+
+    def targets_of(name: str) -> list[AnyTarget]:
+        chosen = [t for t in targets if (t.name, name) in prepared.files]
+        if bare is not None and name == CEILING_SCENARIO:
+            chosen.append(bare)
+        return chosen
+
     log("warm-up")
     for name in plan.scenarios:
-        for target in targets:
-            if (target.name, name) in prepared.files:
-                measure(target, BY_NAME[name], prepared, plan, plan.warmup)
+        for target in targets_of(name):
+            measure(target, BY_NAME[name], prepared, plan, plan.warmup, signer=cryptd)
     for round_no in range(plan.rounds):
-        order = targets if round_no % 2 == 0 else targets[::-1]
         for name in plan.scenarios:
-            for target in order:
-                if (target.name, name) not in prepared.files:
-                    continue
+            chosen = targets_of(name)
+            for target in chosen if round_no % 2 == 0 else chosen[::-1]:
                 m = quietly(
                     plan,
-                    partial(measure, target, BY_NAME[name], prepared, plan, plan.duration),
+                    partial(
+                        measure, target, BY_NAME[name], prepared, plan, plan.duration, signer=cryptd
+                    ),
                 )
                 runs[name][target.name].append(m)
                 log(f"round {round_no + 1}/{plan.rounds} {name} {target.name}: {describe(m)}")
     return runs
+
+
+def run_mixes(
+    cryptd: Cryptd, bao: OpenBao | None, prepared: Prepared, plan: Plan
+) -> list[MixResult]:
+    """Each mix against each target, its streams at once, and its ``alone`` stream by itself
+    at the same connection count; alternating the targets round by round."""
+    results = []
+    targets: list[Cryptd | OpenBao] = [cryptd] + ([bao] if bao else [])
+    for name in plan.mixes:
+        mix = MIX_BY_NAME[name]
+        alone = BY_NAME[mix.alone]
+        alone_connections = dict(mix.streams)[mix.alone]
+        mixed: dict[str, list[dict[str, Measurement]]] = {t.name: [] for t in targets}
+        by_itself: dict[str, list[Measurement]] = {t.name: [] for t in targets}
+        for target in targets:
+            measure_mix(target, mix, prepared, plan, plan.warmup)
+        for round_no in range(plan.rounds):
+            for target in targets if round_no % 2 == 0 else targets[::-1]:
+                streams = quietly_mix(plan, target, mix, prepared)
+                mixed[target.name].append(streams)
+                m = quietly(
+                    plan,
+                    partial(
+                        measure, target, alone, prepared, plan, plan.duration, alone_connections
+                    ),
+                )
+                by_itself[target.name].append(m)
+                log(
+                    f"round {round_no + 1}/{plan.rounds} {name} {target.name}: "
+                    + "; ".join(f"{s} {describe(ms)}" for s, ms in streams.items())
+                    + f"; {mix.alone} alone {describe(m)}"
+                )
+        results.append(MixResult(mix, mixed, by_itself, plan.topology.server_cores))
+    return results
+
+
+def quietly_mix(
+    plan: Plan, target: Cryptd | OpenBao, mix: Mix, prepared: Prepared
+) -> dict[str, Measurement]:
+    """:func:`quietly` for a mix: the first stream's figures judge the window."""
+    found: dict[str, Measurement] = {}
+
+    def run() -> Measurement:
+        found.clear()
+        found.update(measure_mix(target, mix, prepared, plan, plan.duration))
+        return next(iter(found.values()))
+
+    quietly(plan, run)
+    return dict(found)
 
 
 def run_case_study(
@@ -452,30 +651,43 @@ def run_case_study(
     return CaseStudy(plan.case_rate, plan.case_duration, results["cryptd"], results["openbao"])
 
 
-def render(result: dict[str, Any], comparisons: list[Comparison], case: CaseStudy | None) -> str:
+def render(
+    result: dict[str, Any],
+    comparisons: list[Comparison],
+    case: CaseStudy | None,
+    ceiling: Ceiling | None = None,
+    mixes: Sequence[MixResult] = (),
+) -> str:
     m, cfg = result["machine"], result["config"]
+    cores = cfg.get("server_cores", 1)
     out = [
         f"# cryptd vs OpenBao Transit ({result['started']})",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}, "
-        f"{m['openbao']}, {m['wrk']}. Load average at start: {' '.join(m['loadavg'])}.",
+        f"{m['openbao']}, {m['wrk']}. Load average at start: {' '.join(m['loadavg'])}"
+        + (f", at end: {' '.join(m['loadavg_end'])}" if m.get("loadavg_end") else "")
+        + ".",
+        f"Topology: {cfg['topology']}. Command: `{cfg['command']}`.",
         f"Load: wrk -t{cfg['threads']} -c{cfg['connections']}, {cfg['duration']:.0f} s per "
         f"measurement, {cfg['rounds']} round(s), medians; cryptd with {cfg['workers']} server "
-        f"worker(s){' and Redis replay store' if cfg['redis'] else ''}, signing and metrics on; "
+        f"worker(s){' and a Redis replay store' if cfg['redis'] else ''}, signing, metrics and "
+        "the audit log on; "
         + (
             "wrk hashes each body once per thread (fresh nonce, created and HMAC per request)."
             if cfg.get("digest_once", True)
             else "wrk hashes every body anew (pure Lua)."
         ),
         "",
-        comparison_table(comparisons),
+        comparison_table(comparisons, cores),
         "",
-        "Goals: ops/s >= 1.5x OpenBao's (batch in items/s), P99 <= 1/3 of OpenBao's, no errors.",
-        "",
-        "## Capacity (server CPU per operation)",
-        "",
-        capacity_table(comparisons),
+        "Goals: ops/s per server core >= 1.5x OpenBao's (batch in items/s), P99 <= 1/2 of "
+        "OpenBao's, no errors.",
     ]
+    if ceiling is not None:
+        out += ["", "## The bare-ASGI ceiling on the same CPUs", "", ceiling.table()]
+    for mix in mixes:
+        out += ["", f"## Mixed traffic: {mix.mix.title}", "", mix.table()]
+    out += ["", "## Capacity (server CPU per operation)", "", capacity_table(comparisons)]
     if case is not None:
         out += [
             "",
@@ -517,6 +729,58 @@ def render(result: dict[str, Any], comparisons: list[Comparison], case: CaseStud
     return "\n".join(out)
 
 
+# Markers around the generated part of README.md's performance section.
+README_BEGIN: Final = "<!-- loadtest.run: begin -->"
+README_END: Final = "<!-- loadtest.run: end -->"
+
+
+def readme_table(
+    result: dict[str, Any],
+    comparisons: list[Comparison],
+    case: CaseStudy | None,
+    ceiling: Ceiling | None,
+    mixes: Sequence[MixResult],
+) -> str:
+    """The README's table: the main comparison, the ceiling and the mix, in a few lines."""
+    cfg = result["config"]
+    lines = [
+        f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
+        f"load average {' '.join(result['machine']['loadavg'])} at start), reproduced by "
+        f"`{cfg['command']}`:",
+        "",
+        comparison_table(comparisons, cfg.get("server_cores", 1)),
+    ]
+    if case is not None:
+        ours, theirs = case.medians(case.cryptd), case.medians(case.openbao)
+        lines += [
+            "",
+            f"Case study, RSA-2048 decrypt at {case.rate:,.0f} req/s offered (open loop): P99 "
+            f"{_fmt_ms(ours['p99_ms'])} against OpenBao's {_fmt_ms(theirs['p99_ms'])}.",
+        ]
+    if ceiling is not None and ceiling.share is not None:
+        lines += [
+            "",
+            f"Bare-ASGI ceiling on the same core: {ceiling.bare.rps:,.0f} req/s; cryptd's AES-GCM "
+            f"encrypt is {ceiling.share:.0%} of it ({ceiling.own_us or 0:.0f} us of its own work "
+            "per request).",
+        ]
+    for mix in mixes:
+        lines += ["", f"{mix.mix.title}:", "", mix.table()]
+    return "\n".join(lines)
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def update_readme(path: Path, table: str) -> None:
+    text = path.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} section")
+    path.write_text(text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:])
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.run", description=__doc__.split("\n\n")[0]
@@ -526,17 +790,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="alternating rounds (3; quick 1)")
     parser.add_argument("--connections", type=int, default=16, help="wrk connections (16)")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
-    parser.add_argument(
-        "--workers", default="auto", help="cryptd server workers: a number or auto (measure 1, 2)"
+    topology = parser.add_argument_group("topology")
+    topology.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="servers and load generators on the same cores (default with two CPUs or more:"
+        " pinned, load generators on the first half of the CPUs, servers on the rest)",
     )
-    parser.add_argument(
-        "--redis",
+    topology.add_argument("--client-cpus", help="CPUs of the load generators, e.g. 0 or 0-1")
+    topology.add_argument("--server-cpus", help="CPUs of every server, e.g. 1 or 2-3")
+    cryptd = parser.add_argument_group("cryptd")
+    cryptd.add_argument(
+        "--workers",
         default="auto",
-        help="replay store for several workers: URL, auto (local Redis if up) or none",
+        help="cryptd server workers: a number, or auto (pinned: one per server CPU, 1 and 2"
+        " measured when there are two or more; shared cores: 1 and 2 measured)",
+    )
+    cryptd.add_argument(
+        "--redis",
+        default="private",
+        help="replay store for several workers: private (a redis-server of the run's own,"
+        " pinned with the servers), a URL, or none",
+    )
+    cryptd.add_argument(
+        "--cryptd-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for every cryptd server (repeatable), e.g."
+        ' CRYPTD_EXECUTORS=\'{"rsa-2048":"thread"}\'',
     )
     parser.add_argument(
-        "--scenarios", help="comma-separated subset (default: all; none: the case study alone)"
+        "--scenarios",
+        help="comma-separated subset of the scenarios and mixes (default: all; none: the case"
+        " study alone)",
     )
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the bare-ASGI ceiling")
     parser.add_argument("--case-rate", type=float, default=500.0, help="offered req/s (500)")
     parser.add_argument("--case-duration", type=float, help="case-study seconds (20; quick 5)")
     parser.add_argument(
@@ -565,8 +854,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-cost", action="store_true", help="also measure metrics off")
     parser.add_argument("--json", type=Path, help="JSON output (default loadtest/results/...)")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument(
+        "--update-readme",
+        type=Path,
+        nargs="?",
+        const=Path(__file__).resolve().parent.parent / "README.md",
+        help="rewrite the generated table of README.md's performance section (or of FILE)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     return parser.parse_args(argv)
+
+
+def _extra_env(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--cryptd-env takes NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -575,21 +881,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     if find_wrk() is None:
         print("wrk is not installed: apt-get install -y wrk", file=sys.stderr)
         return 2
+    topology = plan.topology
+    if topology.pinned:
+        # The runner, and so wrk and the open-loop generator (its children and itself), on the
+        # load generators' CPUs; every server is started on the others.
+        os.sched_setaffinity(0, topology.client)
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-"))
-    redis = redis_url(args.redis)
+    extra = _extra_env(args.cryptd_env)
     result: dict[str, Any] = {"started": started, "machine": machine()}
-    log(f"working directory {workdir}")
+    log(f"working directory {workdir}; {topology.summary()}")
     try:
         with contextlib.ExitStack() as stack:
             bao: OpenBao | None = None
             if not args.no_openbao:
-                bao = OpenBao(workdir / "openbao")
+                bao = OpenBao(workdir / "openbao", topology.server_cpus)
                 stack.callback(bao.stop)
                 bao.start()
                 log(f"OpenBao at {bao.url}")
 
-            if args.workers == "auto":
+            redis: str | None = None
+            if args.redis == "private":
+                private = PrivateRedis(workdir / "redis", topology.server_cpus)
+                with contextlib.suppress(RuntimeError):
+                    private.start()
+                    stack.callback(private.stop)
+                    redis = private.url
+            elif args.redis != "none":
+                redis = redis_url(args.redis)
+
+            if args.workers == "auto" and (not topology.pinned or topology.server_cores > 1):
                 log("choosing the server worker count (1 vs 2)")
                 workers, calibration = calibrate_workers(
                     workdir / "cryptd", plan, redis, workdir / "bodies"
@@ -597,35 +918,61 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["workers_calibration"] = calibration
                 log(f"workers: {workers} (2 vs 1: {calibration['gain_2_over_1']:.2f}x)")
             else:
-                workers = int(args.workers)
-            env = cryptd_env(workers, redis)
+                workers = 1 if args.workers == "auto" else int(args.workers)
+            env = {**cryptd_env(workers, redis), **extra}
             result["config"] = {
                 **asdict(plan),
+                "topology": topology.summary(),
+                "server_cores": topology.server_cores,
+                "command": "python -m loadtest.run"
+                + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
                 "workers": workers,
                 "redis": env.get("CRYPTD_REDIS_URL"),
+                "cryptd_env": extra,
             }
 
-            cryptd = Cryptd(workdir / "cryptd", workers, env)
+            cryptd = Cryptd(workdir / "cryptd", workers, env, topology.server_cpus)
             stack.callback(cryptd.stop)
             cryptd.start()
             log(f"cryptd at {cryptd.url} ({workers} worker(s))")
             result["probe"] = probe(cryptd)
             result["metrics_endpoint"] = cryptd.get("/metrics").status_code == 200
 
-            scenarios = [BY_NAME[name] for name in plan.scenarios]
+            needed = {*plan.scenarios}
+            for name in plan.mixes:
+                needed |= {stream_name for stream_name, _ in MIX_BY_NAME[name].streams}
+            scenarios = [s for s in SCENARIOS if s.name in needed]
             targets: list[Target] = [cryptd] + ([bao] if bao else [])
             prepared = prepare(targets, scenarios, workdir / "bodies")
 
-            runs = run_rounds(cryptd, bao, prepared, plan)
+            bare: Bare | None = None
+            if plan.ceiling and CEILING_SCENARIO in plan.scenarios:
+                bare = Bare(workdir / "bare", topology.server_cpus)
+                stack.callback(bare.stop)
+                bare.start()
+                log(f"bare-ASGI ceiling at {bare.url}")
+
+            runs = run_rounds(cryptd, bao, prepared, plan, bare)
+            cores = topology.server_cores
             comparisons = [
                 Comparison(
                     name,
                     BY_NAME[name].title,
-                    summarize(runs[name]["cryptd"], _cores()),
-                    summarize(runs[name]["openbao"], _cores()) if runs[name]["openbao"] else None,
+                    summarize(runs[name]["cryptd"], cores),
+                    summarize(runs[name]["openbao"], cores) if runs[name]["openbao"] else None,
                 )
                 for name in plan.scenarios
             ]
+            ceiling = None
+            if bare is not None and runs[CEILING_SCENARIO]["bare"]:
+                ceiling = Ceiling(
+                    CEILING_SCENARIO,
+                    summarize(runs[CEILING_SCENARIO]["cryptd"], cores),
+                    summarize(runs[CEILING_SCENARIO]["bare"], cores),
+                )
+                bare.stop()
+            mixes = run_mixes(cryptd, bao, prepared, plan)
+
             case = None
             if not args.no_case_study:
                 case_workers = workers if args.case_workers == "same" else int(args.case_workers)
@@ -634,7 +981,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     # Sized for the offered rate: its own server (same keys), up beside the
                     # other, which idles meanwhile.
                     case_cryptd = Cryptd(
-                        workdir / "cryptd", case_workers, cryptd_env(case_workers, redis)
+                        workdir / "cryptd",
+                        case_workers,
+                        {**cryptd_env(case_workers, redis), **extra},
+                        topology.server_cpus,
                     )
                     stack.callback(case_cryptd.stop)
                     case_cryptd.start()
@@ -660,6 +1010,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name, by_target in runs.items()
             }
             result["comparisons"] = [c.to_json() for c in comparisons]
+            result["ceiling"] = ceiling.to_json() if ceiling else None
+            result["mixes"] = [mix.to_json() for mix in mixes]
             result["case_study"] = case.to_json() if case else None
 
             cryptd.stop()
@@ -671,13 +1023,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     workdir / "cryptd", workers, redis, plan, workdir / "bodies"
                 )
         result["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
-        text = render(result, comparisons, case)
+        text = render(result, comparisons, case, ceiling, mixes)
         print(text)
         out = args.json or RESULTS_DIR / f"{started.replace(':', '')}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
         if args.markdown:
             args.markdown.write_text(text + "\n")
+        if args.update_readme:
+            update_readme(
+                args.update_readme, readme_table(result, comparisons, case, ceiling, mixes)
+            )
+            log(f"updated {args.update_readme}")
         log(f"results: {out}")
     finally:
         if args.keep:

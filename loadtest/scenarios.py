@@ -152,3 +152,26 @@ BY_NAME: Final = {scenario.name: scenario for scenario in SCENARIOS}
 
 # The origin case study: RSA-2048 hybrid decryption at a fixed offered rate (open loop).
 CASE_STUDY: Final = BY_NAME["rsa-decrypt"]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Several scenarios at once against one target, each with its own connections (one wrk
+    process per stream). ``alone`` is the stream whose latency is also measured by itself, at
+    the same connection count, to show what the other streams do to it."""
+
+    name: str
+    title: str
+    streams: tuple[tuple[str, int], ...]  # (scenario name, connections)
+    alone: str
+
+
+MIXES: Final[tuple[Mix, ...]] = (
+    Mix(
+        "mix",
+        "AES-256-GCM encrypt 1 KiB + RSA-2048 sign at once (8 + 8 connections)",
+        (("aes-encrypt", 8), ("rsa-sign", 8)),
+        alone="aes-encrypt",
+    ),
+)
+MIX_BY_NAME: Final = {mix.name: mix for mix in MIXES}

@@ -47,6 +47,16 @@ def free_port(pair: bool = False) -> int:
     raise RuntimeError("no free port pair")
 
 
+def pinned(command: list[str], cpus: frozenset[int] | None) -> list[str]:
+    """``command`` run on ``cpus`` only (``taskset``; every thread and child inherits it)."""
+    if not cpus:
+        return command
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("pinning needs taskset (util-linux)")
+    return [taskset, "-c", ",".join(str(c) for c in sorted(cpus)), *command]
+
+
 def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:
@@ -123,6 +133,7 @@ class Cryptd:
     directory: Path
     workers: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
+    cpus: frozenset[int] | None = None  # pinned to these CPUs (None: anywhere)
     name: str = "cryptd"
     url: str = ""
     client_id: str = ""
@@ -146,7 +157,10 @@ class Cryptd:
         log = self.directory / "server.log"
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+                pinned(
+                    [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+                    self.cpus,
+                ),
                 cwd=self.directory,
                 env=env,
                 stdout=out,
@@ -225,6 +239,7 @@ class OpenBao:
     :data:`~loadtest.scenarios.OPENBAO_KEYS`."""
 
     directory: Path
+    cpus: frozenset[int] | None = None  # pinned to these CPUs, GOMAXPROCS = their number
     name: str = "openbao"
     url: str = ""
     token: str = OPENBAO_TOKEN
@@ -237,16 +252,21 @@ class OpenBao:
         self.url = f"http://127.0.0.1:{port}"
         log = self.directory / "openbao.log"
         env = {**os.environ, "HOME": str(self.directory), "BAO_ADDR": self.url}
+        if self.cpus:
+            env["GOMAXPROCS"] = str(len(self.cpus))
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
-                [
-                    find_bao(),
-                    "server",
-                    "-dev",
-                    f"-dev-root-token-id={self.token}",
-                    f"-dev-listen-address=127.0.0.1:{port}",
-                    "-dev-no-store-token",
-                ],
+                pinned(
+                    [
+                        find_bao(),
+                        "server",
+                        "-dev",
+                        f"-dev-root-token-id={self.token}",
+                        f"-dev-listen-address=127.0.0.1:{port}",
+                        "-dev-no-store-token",
+                    ],
+                    self.cpus,
+                ),
                 cwd=self.directory,
                 env=env,
                 stdout=out,
@@ -286,5 +306,91 @@ class OpenBao:
         if self._http is not None:
             self._http.close()
             self._http = None
+        _stop(self._process)
+        self._process = None
+
+
+@dataclass
+class Bare:
+    """The HTTP ceiling (loadtest/bare.py): uvicorn + uvloop + httptools answering a fixed body,
+    on the same CPUs as the servers."""
+
+    directory: Path
+    cpus: frozenset[int] | None = None
+    name: str = "bare"
+    url: str = ""
+    _process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log = self.directory / "bare.log"
+        with open(log, "ab") as out:
+            self._process = subprocess.Popen(
+                pinned([sys.executable, "-m", "loadtest.bare", "--port", str(port)], self.cpus),
+                cwd=Path(__file__).resolve().parent.parent,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait_ready(self._process, self.url + "/", log)
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("not started")
+        return self._process.pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid]
+
+    def stop(self) -> None:
+        _stop(self._process)
+        self._process = None
+
+
+@dataclass
+class PrivateRedis:
+    """A redis-server of the runner's own (no persistence) on a free port, pinned with the
+    servers: a replay store whose CPU is the servers' cost, and no load on a shared Redis."""
+
+    directory: Path
+    cpus: frozenset[int] | None = None
+    url: str = ""
+    _process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.url = f"redis://127.0.0.1:{port}/0"
+        command = [
+            binary,
+            "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(self.directory),
+        ]  # fmt: skip
+        self._process = subprocess.Popen(
+            pinned(command, self.cpus),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        import redis
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            try:
+                redis.Redis.from_url(self.url, socket_connect_timeout=1).ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("private redis-server did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
         _stop(self._process)
         self._process = None

@@ -34,6 +34,7 @@ from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.logs import configure_logging
 from service.metrics import Metrics
+from service.metrics.middleware import TimingMiddleware
 from service.pool import make_executor
 from service.pool.base import Executor
 from service.pool.lag import LoopLag
@@ -188,16 +189,10 @@ def create_app(
                 writer.close()
 
     def edge(fastapi_stack: ASGIApp) -> ASGIApp:
-        # Built inside out: the metrics see every request first, FastAPI's stack last.
-        inner: ASGIApp = CryptoDispatch(
+        # Every request but the crypto operations: the edge layers as ASGI middleware, built
+        # inside out (the metrics see every request first), then FastAPI's stack.
+        authenticator = SignatureAuthMiddleware(
             fastapi_stack,
-            endpoint=crypto.handle,
-            routes=crypto.ROUTES,
-            overloaded=lambda: loop_lag.overloaded,
-            on_overload=functools.partial(metrics.rejected, "overload"),
-        )
-        inner = SignatureAuthMiddleware(
-            inner,
             registry_provider=auth.clients,
             replay=auth.replay,
             rate_limiter=auth.rate_limiter,
@@ -207,12 +202,31 @@ def create_app(
             on_rejection=metrics.rejected,
             clock=clock,
         )
-        inner = BodyLimitMiddleware(
-            inner, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
+        inner: ASGIApp = BodyLimitMiddleware(
+            authenticator, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
         )
         inner = RequestIdMiddleware(inner)
-        return metrics.asgi_middleware(inner, access_log=logs.access_log)
+        inner = metrics.asgi_middleware(inner, access_log=logs.access_log)
+        # The crypto operations: the same parts, in the same order, in one entry.
+        return CryptoDispatch(
+            inner,
+            endpoint=functools.partial(crypto.handle, services),
+            routes=crypto.ROUTES,
+            auth=authenticator,
+            max_body_bytes=settings.max_body_bytes,
+            on_body_rejected=metrics.rejected,
+            timing=inner if isinstance(inner, TimingMiddleware) else None,
+            overloaded=lambda: loop_lag.overloaded,
+            on_overload=functools.partial(metrics.rejected, "overload"),
+        )
 
+    services = Services(
+        keys=manager,
+        runner=runner,
+        max_batch_items=settings.max_batch_items,
+        readiness=readiness,
+        audit=logs.audit,
+    )
     app = Service(
         edge=edge,
         title="cryptd",
@@ -224,13 +238,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.state.services = Services(
-        keys=manager,
-        runner=runner,
-        max_batch_items=settings.max_batch_items,
-        readiness=readiness,
-        audit=logs.audit,
-    )
+    app.state.services = services
     errors.install(app)
     app.include_router(health.router)
     app.include_router(keys.router)

@@ -24,9 +24,15 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
     else a fresh one."""
     for name, value in headers:
         if name == b"x-request-id":
-            if _CLIENT_REQUEST_ID.match(value):
-                return value
-            break
+            return request_id_of(value)
+    return request_id_of(b"")
+
+
+def request_id_of(client_value: bytes) -> bytes:
+    """``client_value`` (the first ``X-Request-ID``; b"" when none) if it is sane, else a fresh
+    id."""
+    if _CLIENT_REQUEST_ID.match(client_value):
+        return client_value
     return secrets.token_hex(16).encode()  # a uuid4's 32 hex digits, cheaper
 
 

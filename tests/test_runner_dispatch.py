@@ -95,7 +95,7 @@ def test_dispatch_matches_exactly_the_crypto_routes() -> None:
     async def other(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not called")
 
-    async def endpoint(request: Any, op: Any, key: str) -> bytes:
+    async def endpoint(scope: Any, body: bytes, op: Any, key: str) -> bytes:
         return b"{}"
 
     dispatch = CryptoDispatch(other, endpoint=endpoint, routes=crypto.ROUTES)

@@ -26,7 +26,7 @@ logger = logging.getLogger("cryptd.auth")
 
 PROTECTED_PREFIX = "/v1/"
 STATE_KEY = "client"
-_WANTED_HEADERS = {name.encode("ascii"): name for name in SIGNATURE_HEADERS}
+WANTED_HEADERS = {name.encode("ascii"): name for name in SIGNATURE_HEADERS}
 
 
 class SignatureAuthMiddleware:
@@ -69,39 +69,19 @@ class SignatureAuthMiddleware:
         if body is None:  # the client went away
             return
         try:
-            client = await self._authenticate(scope, body)
-        except AuthError as exc:
-            logger.info(
-                "request refused: unauthenticated (reason=%s peer=%s)", exc.reason, _peer(scope)
-            )
-            if self.on_failure is not None:
-                self.on_failure(exc.reason)
-            await send_error(send, 401, Unauthenticated.code, Unauthenticated.default_message)
+            await self.authenticate(scope, signature_headers(scope["headers"]), body)
+        except (AuthError, RateLimited, StoreUnavailable) as exc:
+            await self.refuse(exc, scope, send)
             return
-        except RateLimited as exc:
-            self._rejected("rate_limited", scope)
-            retry_after = str(max(1, math.ceil(exc.retry_after))).encode()
-            await send_error(send, 429, exc.code, exc.message, [(b"retry-after", retry_after)])
-            return
-        except StoreUnavailable:
-            self._rejected("replay_unavailable", scope)
-            await send_error(
-                send, 503, Overloaded.code, "replay store unavailable", [(b"retry-after", b"1")]
-            )
-            return
-
-        scope.setdefault("state", {})[STATE_KEY] = client
         await self.app(scope, _replay_body(body, receive), send)
 
-    async def _authenticate(self, scope: Scope, body: bytes) -> Client:
+    async def authenticate(self, scope: Scope, headers: dict[str, str], body: bytes) -> Client:
+        """The authenticated client of a request whose whole body is ``body``; it is also put
+        in ``scope["state"]``. ``headers``: :func:`signature_headers` of the request (or the
+        same mapping built in one pass with other headers). Raises :class:`AuthError` (401),
+        :class:`RateLimited` (429) or :class:`StoreUnavailable` (503): hand it to
+        :meth:`refuse`."""
         registry = self.registry_provider()
-        headers: dict[str, str] = {}
-        for raw_name, raw_value in scope["headers"]:
-            name = _WANTED_HEADERS.get(raw_name.lower())
-            if name is not None:
-                value = raw_value.decode("latin-1").strip(" \t")
-                # Repeated field lines combine with ", " (RFC 9110 section 5.3).
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
         raw_path: bytes | None = scope.get("raw_path")
         try:
             path = scope["path"] if raw_path is None else raw_path.decode("ascii")
@@ -129,7 +109,33 @@ class SignatureAuthMiddleware:
             raise AuthError("replayed")
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
+        state = scope.get("state")
+        if state is None:
+            scope["state"] = {STATE_KEY: client}
+        else:
+            state[STATE_KEY] = client
         return client
+
+    async def refuse(
+        self, exc: AuthError | RateLimited | StoreUnavailable, scope: Scope, send: Send
+    ) -> None:
+        """Answer a request :meth:`authenticate` refused (401, 429 or 503), log and count it."""
+        if isinstance(exc, AuthError):
+            logger.info(
+                "request refused: unauthenticated (reason=%s peer=%s)", exc.reason, _peer(scope)
+            )
+            if self.on_failure is not None:
+                self.on_failure(exc.reason)
+            await send_error(send, 401, Unauthenticated.code, Unauthenticated.default_message)
+        elif isinstance(exc, RateLimited):
+            self._rejected("rate_limited", scope)
+            retry_after = str(max(1, math.ceil(exc.retry_after))).encode()
+            await send_error(send, 429, exc.code, exc.message, [(b"retry-after", retry_after)])
+        else:
+            self._rejected("replay_unavailable", scope)
+            await send_error(
+                send, 503, Overloaded.code, "replay store unavailable", [(b"retry-after", b"1")]
+            )
 
     async def _remember(self, keyid: str, nonce: str, ttl: int) -> bool:
         try:
@@ -156,6 +162,23 @@ class SignatureAuthMiddleware:
         logger.info("request refused: %s (peer=%s)", cause, _peer(scope))
         if self.on_rejection is not None:
             self.on_rejection(cause)
+
+
+def signature_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The fields the verifier reads, by lower-case name; repeated field lines combined with
+    ", " (RFC 9110 section 5.3)."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in raw:
+        name = WANTED_HEADERS.get(raw_name.lower())
+        if name is not None:
+            add_field(headers, name, raw_value)
+    return headers
+
+
+def add_field(headers: dict[str, str], name: str, raw_value: bytes) -> None:
+    """Add one field line to ``headers`` as :func:`signature_headers` does."""
+    value = raw_value.decode("latin-1").strip(" \t")
+    headers[name] = f"{headers[name]}, {value}" if name in headers else value
 
 
 def _protected(scope: Scope) -> bool:

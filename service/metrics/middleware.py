@@ -62,6 +62,14 @@ class TimingMiddleware:
     def _finish(self, scope: Scope, status: int, seconds: float) -> None:
         try:
             route = route_template(scope)
+        except Exception as exc:  # observability must never fail a request
+            log.warning("request observation failed: %s", type(exc).__name__)
+            return
+        self.finish(scope, route, status, seconds)
+
+    def finish(self, scope: Scope, route: str, status: int, seconds: float) -> None:
+        """Record one answered request (for callers that time requests themselves)."""
+        try:
             if self._record is not None:
                 self._record(route, scope["method"], status, seconds)
             if self._access_log is not None:

@@ -11,7 +11,11 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from service.api import deps
+from service.api.deps import Services
 from service.api.schemas import PARSERS, parse_json_object
+from service.asgi import Scope
+from service.auth.clients import Client
+from service.auth.middleware import STATE_KEY, authorize, client_from_scope
 from service.engine import Item, OpName, Outcome, RewrapItem, error_entry, translate
 from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
 from service.keys.keyring import check_key_name
@@ -36,64 +40,74 @@ def json_response(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
-def _check_to_key(request: Request, item: Item) -> None:
+def _check_to_key(scope: Scope, client: Client, item: Item) -> None:
     if isinstance(item, RewrapItem) and item.to_key is not None:
         check_key_name(item.to_key)
-        deps.note(request, to_key=item.to_key)
-        deps.authorize(request, item.to_key, "encrypt")
+        scope["state"]["to_key"] = item.to_key
+        authorize(client, item.to_key, "encrypt")
 
 
-async def handle(request: Request, op: OpName, key: str) -> bytes:
-    """The whole operation (policy, body, runner, audit): the JSON body of the 200 answer.
-    Raises CryptdError for the error model."""
+async def handle(services: Services, scope: Scope, body: bytes, op: OpName, key: str) -> bytes:
+    """The whole operation on an authenticated request whose body is ``body`` (policy,
+    body, runner, audit): the JSON body of the 200 answer. Raises CryptdError for the error
+    model. Request-scoped fields for the logs go to ``scope["state"]``."""
     if op not in AUDITED:
-        return orjson.dumps(await _execute(request, op, key))
+        return orjson.dumps(await _execute(services, scope, body, op, key))
     try:
-        result = await _execute(request, op, key)
+        result = await _execute(services, scope, body, op, key)
     except CryptdError as exc:
-        _audit(request, op, key, exc.code, None, 1)
+        _audit(services, scope, op, key, exc.code, None, 1)
         raise
     entries = result.get("batch", [result])
     failures = sum("error" in entry for entry in entries)
     outcome = "ok" if failures == 0 else ("error" if failures == len(entries) else "partial")
     versions = [e["key_version"] for e in entries if "key_version" in e]
-    _audit(request, op, key, outcome, versions, len(entries))
+    _audit(services, scope, op, key, outcome, versions, len(entries))
     return orjson.dumps(result)
 
 
 def _audit(
-    request: Request, op: OpName, key: str, outcome: str, versions: list[int] | None, items: int
+    services: Services,
+    scope: Scope,
+    op: OpName,
+    key: str,
+    outcome: str,
+    versions: list[int] | None,
+    items: int,
 ) -> None:
-    target = None
-    if op == "rewrap":
-        target = request.scope.get("state", {}).get("to_key")
-    deps.services(request).audit.record(
+    state = scope.get("state", {})
+    client = state.get(STATE_KEY)
+    services.audit.record(
         op,
-        client=deps.client_id(request),
+        client=getattr(client, "client_id", None),
         key=key,
         outcome=outcome,
         key_version=versions[0] if versions and len(versions) == 1 else versions,
-        request_id=request.scope.get("state", {}).get("request_id"),
+        request_id=state.get("request_id"),
         items=items,
-        target_key=target,
+        target_key=state.get("to_key") if op == "rewrap" else None,
     )
 
 
-async def _execute(request: Request, op: OpName, key: str) -> dict[str, Any]:
+async def _execute(
+    services: Services, scope: Scope, body: bytes, op: OpName, key: str
+) -> dict[str, Any]:
     check_key_name(key)
-    deps.note(request, key=key, operation=op)
-    deps.authorize(request, key, op)
-    services = deps.services(request)
-    document = parse_json_object(await request.body())
+    state = scope.setdefault("state", {})
+    state["key"] = key
+    state["operation"] = op
+    client = client_from_scope(scope)
+    authorize(client, key, op)
+    document = parse_json_object(body)
     parse = PARSERS[op]
 
     if "batch" not in document or op not in BATCHABLE:
         item = parse(document)
-        _check_to_key(request, item)
+        _check_to_key(scope, client, item)
         (outcome,) = await services.runner.run(op, key, [item])
         if isinstance(outcome, CryptdError):
             raise outcome
-        deps.note(request, key_version=outcome.get("key_version"))
+        state["key_version"] = outcome.get("key_version")
         return outcome
 
     raw_items = document["batch"]
@@ -112,7 +126,7 @@ async def _execute(request: Request, op: OpName, key: str) -> dict[str, Any]:
             if not isinstance(raw, dict):
                 raise InvalidRequest("batch item must be a JSON object")
             item = parse(raw)
-            _check_to_key(request, item)
+            _check_to_key(scope, client, item)
         except CryptdError as exc:
             outcomes[index] = exc
             continue
@@ -127,7 +141,10 @@ async def _execute(request: Request, op: OpName, key: str) -> dict[str, Any]:
 
 def _register(op: OpName) -> None:
     async def endpoint(request: Request, key: str) -> Response:
-        return Response(await handle(request, op, key), media_type="application/json")
+        # Declared for the OpenAPI document and the metrics' route labels; requests reach
+        # `handle` through service.api.dispatch (this runs only if something routes here).
+        content = await handle(deps.services(request), request.scope, await request.body(), op, key)
+        return Response(content, media_type="application/json")
 
     endpoint.__name__ = op
     router.add_api_route(

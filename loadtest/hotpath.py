@@ -1,0 +1,371 @@
+"""cryptd's own CPU per request, in-process: ``python -m loadtest.hotpath [SCENARIO ...]``.
+
+The application is built as ``cryptd serve`` builds it (development keyring, request signing,
+metrics on, the audit log to a file, the in-memory replay store unless ``--redis``) and driven
+directly over ASGI with requests signed beforehand, ``--concurrency`` in flight at a time (one
+task per request, as uvicorn runs them). What is timed is the application alone: no sockets,
+no HTTP parsing, no load generator. Two measures:
+
+- **CPU** (default): ``time.process_time()`` per request (all threads of this process: the
+  audit writer included), median over ``--repeats`` rounds. On a shared machine CPU time is
+  steadier than wall-clock throughput, but still moves with cache and frequency effects.
+- **Instructions** (``--callgrind``): the same run under ``valgrind --tool=callgrind`` twice, with
+  two request counts; the difference divided by the difference in requests is the instruction
+  count of one request, start-up and signing excluded. It repeats to within a fraction of a
+  percent whatever else runs on the machine: compare two trees with it.
+
+The HTTP server's own share (uvicorn, uvloop, httptools) is measured from outside by the
+runner's bare-ASGI ceiling (``python -m loadtest.run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from loadtest.scenarios import BY_NAME, Scenario
+
+DEFAULT_SCENARIOS: Final = ("aes-encrypt", "aes-decrypt", "rsa-sign", "ed25519-sign", "aes-batch")
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class HotPath:
+    scenario: str
+    requests: int
+    concurrency: int
+    cpu_us: float  # median CPU per request (process_time)
+    wall_us: float  # median wall time per request
+    spread: float  # (max - min) / median of the rounds' CPU figures
+    rounds: list[float]
+
+
+@contextlib.contextmanager
+def application(
+    redis_url: str | None = None, audit: bool = True, dev_dir: Path | None = None
+) -> Iterator[tuple[Any, Any]]:
+    """(app, credential) of a cryptd built in a private development directory (``dev_dir``
+    when given: an existing one is reused, so no keys are generated)."""
+    from service.cli.serve import prepare_dev_dir
+
+    with tempfile.TemporaryDirectory(prefix="cryptd-hotpath-") as scratch:
+        directory = dev_dir or Path(scratch) / "dev"
+        saved = dict(os.environ)
+        try:
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+                prepare_dev_dir(directory, "http://127.0.0.1:0")
+            os.environ["CRYPTD_METRICS"] = "true"
+            os.environ["CRYPTD_AUDIT_LOG"] = str(Path(scratch) / "audit.log") if audit else "off"
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            # The loop-lag check stays on (its cost is per request) but must not refuse work
+            # when this shared machine deschedules the process for a moment.
+            os.environ["CRYPTD_MAX_LOOP_LAG"] = "30"
+            if redis_url:
+                os.environ["CRYPTD_REDIS_URL"] = redis_url
+            else:
+                os.environ.pop("CRYPTD_REDIS_URL", None)
+            from service.app import create_app
+            from service.config import Settings
+
+            app = create_app(Settings())
+            credential = orjson.loads((directory / "client.json").read_bytes())
+            yield app, credential
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def scope_for(path: str, headers: Headers) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "server": ("127.0.0.1", 8080),
+        "client": ("127.0.0.1", 50000),
+        "scheme": "http",
+        "method": "POST",
+        "root_path": "",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "state": {},
+    }
+
+
+class Driver:
+    """Signed requests for one scenario, and the ASGI calls that answer them."""
+
+    def __init__(self, app: Any, credential: dict[str, Any], scenario: Scenario) -> None:
+        self.app = app
+        self.client_id = credential["client_id"]
+        self.secret = base64.b64decode(credential["secret"])
+        self.scenario = scenario
+        self.path = scenario.cryptd.path
+        self.body = b""
+        self.statuses: dict[int, int] = {}
+
+    async def prepare(self) -> None:
+        endpoint = self.scenario.cryptd
+        ciphertext = None
+        if endpoint.encrypt_path is not None:
+            status, answer = await self.call(
+                endpoint.encrypt_path, orjson.dumps(endpoint.encrypt_body or {})
+            )
+            if status != 200:
+                raise RuntimeError(f"preparing {self.scenario.name}: {status} {answer!r}")
+            ciphertext = orjson.loads(answer)["ciphertext"]
+        self.body = orjson.dumps(endpoint.body(ciphertext))
+        status, answer = await self.call(self.path, self.body)
+        if status != 200:
+            raise RuntimeError(f"{self.scenario.name}: {status} {answer!r}")
+
+    def sign(self, count: int) -> list[Headers]:
+        from service.auth.signature import sign_request
+
+        signed = []
+        for _ in range(count):
+            headers = sign_request("POST", self.path, "", self.body, self.client_id, self.secret)
+            signed.append(
+                [
+                    (b"host", b"127.0.0.1:8080"),
+                    (b"user-agent", b"wrk"),
+                    (b"content-length", str(len(self.body)).encode()),
+                    *((k.lower().encode(), v.encode()) for k, v in headers.items()),
+                ]
+            )
+        return signed
+
+    async def call(self, path: str, body: bytes) -> tuple[int, bytes]:
+        from service.auth.signature import sign_request
+
+        headers = sign_request("POST", path, "", body, self.client_id, self.secret)
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        raw.append((b"content-length", str(len(body)).encode()))
+        status = 0
+        chunks: list[bytes] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            else:
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope_for(path, raw), receive, send)
+        return status, b"".join(chunks)
+
+    async def one(self, headers: Headers) -> None:
+        body = self.body
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if delivered:
+                await asyncio.sleep(3600)  # like a server: nothing more until disconnect
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.statuses[status] = self.statuses.get(status, 0) + 1
+
+        await self.app(scope_for(self.path, headers), receive, send)
+
+    async def drive(self, signed: Sequence[Headers], concurrency: int) -> None:
+        # Signing ran on the loop just before: let the loop-lag timer (service/pool/lag.py)
+        # catch up, or the first requests would be refused as if the server were overloaded.
+        await asyncio.sleep(0.03)
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(signed), concurrency):
+            wave = [loop.create_task(self.one(h)) for h in signed[start : start + concurrency]]
+            await asyncio.gather(*wave)
+
+
+async def _measure(
+    driver: Driver, requests: int, concurrency: int, repeats: int, warmup: int
+) -> HotPath:
+    await driver.prepare()
+    await driver.drive(driver.sign(warmup), concurrency)
+    cpu_rounds, wall_rounds = [], []
+    for _ in range(repeats):
+        signed = driver.sign(requests)
+        driver.statuses.clear()
+        wall, cpu = time.perf_counter(), time.process_time()
+        await driver.drive(signed, concurrency)
+        cpu_rounds.append((time.process_time() - cpu) / requests * 1e6)
+        wall_rounds.append((time.perf_counter() - wall) / requests * 1e6)
+        if driver.statuses != {200: requests}:
+            raise RuntimeError(f"{driver.scenario.name}: statuses {driver.statuses}")
+    median = statistics.median(cpu_rounds)
+    return HotPath(
+        scenario=driver.scenario.name,
+        requests=requests,
+        concurrency=concurrency,
+        cpu_us=median,
+        wall_us=statistics.median(wall_rounds),
+        spread=(max(cpu_rounds) - min(cpu_rounds)) / median if median else 0.0,
+        rounds=cpu_rounds,
+    )
+
+
+def measure(
+    scenarios: Sequence[str],
+    *,
+    requests: int = 2000,
+    concurrency: int = 16,
+    repeats: int = 5,
+    warmup: int = 500,
+    redis_url: str | None = None,
+    audit: bool = True,
+) -> list[HotPath]:
+    """CPU per request of each scenario, one application for all of them."""
+    import uvloop
+
+    async def run() -> list[HotPath]:
+        with application(redis_url, audit) as (app, credential):
+            async with app.router.lifespan_context(app):
+                return [
+                    await _measure(
+                        Driver(app, credential, BY_NAME[name]),
+                        requests,
+                        concurrency,
+                        repeats,
+                        warmup,
+                    )
+                    for name in scenarios
+                ]
+
+    return uvloop.run(run())
+
+
+# --------------------------------------------------------------------------------------------
+# Instruction counts under callgrind
+
+
+async def _fixed_run(
+    dev_dir: Path, scenario: str, requests: int, signed_count: int, concurrency: int, warmup: int
+) -> None:
+    with application(dev_dir=dev_dir) as (app, credential):
+        async with app.router.lifespan_context(app):
+            driver = Driver(app, credential, BY_NAME[scenario])
+            await driver.prepare()
+            await driver.drive(driver.sign(warmup), concurrency)
+            # Both runs sign the same number of requests, so signing cancels out.
+            signed = driver.sign(signed_count)
+            await driver.drive(signed[:requests], concurrency)
+            if driver.statuses.get(200, 0) != warmup + requests:
+                raise RuntimeError(f"{scenario}: statuses {driver.statuses}")
+
+
+_TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+
+
+def instructions(
+    scenario: str, *, low: int = 200, high: int = 1200, concurrency: int = 16, warmup: int = 300
+) -> float:
+    """Instructions per request (callgrind), from two runs of ``low`` and ``high`` requests."""
+    counts = []
+    with tempfile.TemporaryDirectory(prefix="cryptd-callgrind-") as scratch:
+        dev_dir = Path(scratch) / "dev"  # keys generated once, outside the counted runs
+        with application(dev_dir=dev_dir):
+            pass
+        for requests in (low, high):
+            out = Path(scratch) / f"callgrind.{requests}"
+            command = [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                "-m",
+                "loadtest.hotpath",
+                "--fixed-run",
+                f"{dev_dir}:{scenario}:{requests}:{high}:{concurrency}:{warmup}",
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"callgrind run failed: {done.stderr[-2000:]}")
+            found = _TOTALS.search(out.read_text())
+            if found is None:
+                raise RuntimeError("no totals in the callgrind output")
+            counts.append(int(found.group(1)))
+    return (counts[1] - counts[0]) / (high - low)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.hotpath", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("scenarios", nargs="*", help=f"default: {' '.join(DEFAULT_SCENARIOS)}")
+    parser.add_argument("--requests", type=int, default=2000, help="per round (2000)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds, median kept (5)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--redis", help="replay store URL (default: in memory)")
+    parser.add_argument("--no-audit", action="store_true", help="audit log off")
+    parser.add_argument("--callgrind", action="store_true", help="instructions per request")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--fixed-run", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.fixed_run:
+        directory, name, requests, signed, concurrency, warmup = args.fixed_run.split(":")
+        import uvloop
+
+        uvloop.run(
+            _fixed_run(
+                Path(directory), name, int(requests), int(signed), int(concurrency), int(warmup)
+            )
+        )
+        return 0
+    names = args.scenarios or list(DEFAULT_SCENARIOS)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown scenarios: {', '.join(unknown)}")
+    if args.callgrind:
+        rows = {name: instructions(name, concurrency=args.concurrency) for name in names}
+        if args.json:
+            print(orjson.dumps(rows).decode())
+        else:
+            for name, count in rows.items():
+                print(f"{name}: {count:,.0f} instructions per request")
+        return 0
+    results = measure(
+        names,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        redis_url=args.redis,
+        audit=not args.no_audit,
+    )
+    if args.json:
+        print(orjson.dumps([asdict(r) for r in results]).decode())
+        return 0
+    print("| scenario | CPU us/request | wall us/request | spread |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r.scenario} | {r.cpu_us:.1f} | {r.wall_us:.1f} | {r.spread:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
