@@ -158,3 +158,28 @@ def redis_url() -> str:
             pytest.fail(f"Redis at {REDIS_URL} is required under CI: {exc}")
         pytest.skip(f"Redis at {REDIS_URL} is not reachable: {exc}")
     return REDIS_URL
+
+
+POSTGRES_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh database on the shared PostgreSQL (127.0.0.1:5432), dropped afterwards; its
+    URL (``postgresql://...``). Skipped where no PostgreSQL runs, a failure under CI."""
+    import uuid
+
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        admin = psycopg.connect(POSTGRES_DSN, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is required under CI: {exc}")
+        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is not reachable: {exc}")
+    name = f"cryptd_test_{uuid.uuid4().hex[:12]}"
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

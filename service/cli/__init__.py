@@ -12,7 +12,7 @@ from service.errors import CryptdError
 from service.keys.store import KeyringFileError
 
 # Modules that add subcommands; each defines register(subparsers) and sets ``func`` on its parser.
-_COMMAND_MODULES = ("serve", "keys", "master_key", "clients", "call", "bench")
+_COMMAND_MODULES = ("serve", "keys", "master_key", "clients", "call", "bench", "migrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,259 @@
+"""The migration pipeline: read pages ahead, rewrap them concurrently, commit them in order.
+
+One thread (the caller's) reads pages from the source and commits them; ``concurrency``
+worker threads send pages to the service. Pages are committed strictly in source order, so
+the checkpoint is always one position with everything before it done and nothing after it
+written. A stop (Ctrl-C, SIGTERM) reads no further page, commits the pages already at the
+service and writes a clean checkpoint; a second signal ends the process at once, which is
+still safe (see :mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import CheckpointFile, Snapshot, State
+from .failures import FailureLog
+from .ids import encode_id
+from .model import FAIL_CHANGED, Counts, Kind, Outcome, Page, RunStopped
+from .service import BatchResult, Rewrapper
+from .source import Source
+
+MAX_LISTED_FAILURES = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    batch_size: int = 500
+    concurrency: int = 4
+    dry_run: bool = False
+    verify: int = 0  # rows to decrypt under both keys and compare
+
+
+@dataclass(slots=True)
+class Result:
+    total: Counts  # over every run of this checkpoint
+    run: Counts  # this run
+    elapsed: float  # this run, seconds
+    complete: bool  # the source was read to its end
+    resumed: bool
+    already_complete: bool = False
+    stopped: str | None = None  # the signal that ended the run early
+    error: str | None = None  # why the run could not go on (RunStopped)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, this run
+
+    @property
+    def rate(self) -> float:
+        return self.run.rows / self.elapsed if self.elapsed > 0 else 0.0
+
+
+class _Sampler:
+    """Selection sampling (Knuth's algorithm S): each row with a token is picked with
+    probability needed / remaining, which spreads ``needed`` picks evenly over the rows."""
+
+    def __init__(self, needed: int, total: int | None) -> None:
+        self.needed = max(0, needed)
+        self.remaining = max(total or 0, self.needed)
+        self._random = random.SystemRandom()
+
+    def pick(self, page: Page) -> list[int]:
+        chosen: list[int] = []
+        if self.needed <= 0:
+            return chosen
+        for index, token in enumerate(page.tokens):
+            if token is None:
+                continue
+            if self._random.random() * max(self.remaining, 1) < self.needed:
+                chosen.append(index)
+                self.needed -= 1
+            self.remaining -= 1
+        return chosen
+
+
+Progress = Callable[[int, Counts], None]
+
+
+class Migration:
+    def __init__(
+        self,
+        source: Source,
+        rewrapper: Rewrapper,
+        options: Options,
+        *,
+        checkpoint: CheckpointFile | None = None,
+        failures: FailureLog | None = None,
+        on_start: Callable[[int | None, Counts], Progress] | None = None,
+    ) -> None:
+        self.source = source
+        self.rewrapper = rewrapper
+        self.options = options
+        self.checkpoint = checkpoint
+        self.failures = failures
+        self._on_start = on_start
+        self._stop = threading.Event()
+        self.stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        state = self.checkpoint.load() if self.checkpoint is not None else None
+        resumed = state is not None
+        if state is None:
+            state = State(Snapshot(None, Counts(), 0))
+        if state.pending is not None:
+            if self.source.landed(state.witness):
+                state.committed = state.pending
+            state.pending, state.witness = None, None
+        if state.done:
+            total = state.committed.counts
+            return Result(total, Counts(), 0.0, True, True, already_complete=True)
+        dry = self.options.dry_run
+        if self.failures is not None and not dry:
+            self.failures.open(state.committed.failures_offset if resumed else None)
+        remaining = self.source.start(state.committed.position)
+        progress = self._on_start(remaining, state.committed.counts) if self._on_start else None
+        run = _Run(self, state, progress, remaining)
+        try:
+            run.pump()
+        finally:
+            if not dry and self.checkpoint is not None:
+                state.done = run.complete and run.error is None
+                self.checkpoint.save(state)
+        return Result(
+            state.committed.counts if not dry else run.counts,
+            run.counts,
+            time.monotonic() - run.started,
+            run.complete,
+            resumed,
+            stopped=self.stop_reason if self.stopping else None,
+            error=None if run.error is None else str(run.error),
+            failures=run.listed,
+        )
+
+
+class _Run:
+    """The state of one run of the pipeline."""
+
+    def __init__(
+        self, migration: Migration, state: State, progress: Progress | None, remaining: int | None
+    ) -> None:
+        self.m = migration
+        self.state = state
+        self.progress = progress
+        self.counts = Counts()  # this run
+        self.base = state.committed.counts.copy()
+        self.started = time.monotonic()
+        self.complete = False
+        self.error: RunStopped | None = None
+        self.listed: list[dict[str, Any]] = []
+        verify = migration.options.verify - self.base.verified
+        self.sampler = _Sampler(verify, remaining)
+
+    def pump(self) -> None:
+        options = self.m.options
+        inflight: deque[tuple[Page, Future[BatchResult]]] = deque()
+        exhausted = False
+        with ThreadPoolExecutor(options.concurrency, thread_name_prefix="rewrap") as pool:
+            try:
+                while True:
+                    while (
+                        not exhausted
+                        and not self.m.stopping
+                        and len(inflight) < options.concurrency
+                    ):
+                        try:
+                            page = self.m.source.read(options.batch_size)
+                        except RunStopped as exc:
+                            self.error = exc
+                            page = None
+                        if page is None:
+                            exhausted = True
+                            break
+                        sample = self.sampler.pick(page)
+                        future = pool.submit(self.m.rewrapper.process, page, sample)
+                        inflight.append((page, future))
+                    if not inflight:
+                        break
+                    page, future = inflight.popleft()
+                    try:
+                        result = future.result()
+                    except RunStopped as exc:
+                        self.error = exc
+                        break
+                    try:
+                        self._commit(page, result)
+                    except RunStopped as exc:
+                        self.error = exc
+                        break
+            finally:
+                for _, pending in inflight:
+                    pending.cancel()
+        self.complete = exhausted and self.error is None and not self.m.stopping
+
+    def _commit(self, page: Page, result: BatchResult) -> None:
+        outcomes = result.outcomes
+        changes = [(i, o.token) for i, o in enumerate(outcomes) if o.kind is Kind.MIGRATED]
+        if self.m.options.dry_run:
+            self._account(page, outcomes, result.verified)
+            return
+
+        def written(conflicts: Any, witness: Any) -> None:
+            for index in conflicts:
+                outcomes[index] = Outcome.failed(
+                    FAIL_CHANGED, "the row changed after it was read; left as it is"
+                )
+            entries = self._failures(page, outcomes)
+            log = self.m.failures
+            offset = log.append(entries) if log is not None else 0
+            counts = self.state.committed.counts.copy()
+            counts.add(outcomes)
+            counts.verified += result.verified
+            counts.elapsed = self.base.elapsed + time.monotonic() - self.started
+            snapshot = Snapshot(page.end, counts, offset)
+            if witness is None:
+                self.state.committed = snapshot
+            else:  # durable only with the commit that follows: saved as pending
+                self.state.pending, self.state.witness = snapshot, witness
+            if self.m.checkpoint is not None:
+                self.m.checkpoint.save(self.state)
+
+        self.m.source.write(page, [(i, t) for i, t in changes if t is not None], written)
+        if self.state.pending is not None:  # the commit returned: it landed
+            self.state.committed = self.state.pending
+            self.state.pending, self.state.witness = None, None
+        self._account(page, outcomes, result.verified)
+
+    def _failures(self, page: Page, outcomes: list[Outcome]) -> list[dict[str, Any]]:
+        entries = [
+            {"id": encode_id(ident), "reason": outcome.reason, "message": outcome.message}
+            for ident, outcome in zip(page.ids, outcomes, strict=True)
+            if outcome.kind is Kind.FAILED
+        ]
+        room = MAX_LISTED_FAILURES - len(self.listed)
+        if room > 0:
+            self.listed.extend(entries[:room])
+        return entries
+
+    def _account(self, page: Page, outcomes: list[Outcome], verified: int) -> None:
+        self.counts.add(outcomes)
+        self.counts.verified += verified
+        self.counts.elapsed = time.monotonic() - self.started
+        if self.m.options.dry_run:
+            self._failures(page, outcomes)
+        if self.progress is not None:
+            self.progress(len(page), self.counts)

@@ -1,0 +1,267 @@
+"""The service side of a migration: check the keys, rewrap a page, recognise rows already
+under the target key, verify a sample. Only ciphertext goes to the service and comes back,
+except for ``--verify``'s sample, whose plaintexts are compared in memory and dropped.
+
+Which key a token is under: a token carries its key's *type* id, not its name. A token of the
+source key's type goes to ``rewrap`` from the source key with ``to_key``. A token of the target
+key's type (or one the source key cannot decrypt when both keys have one type) is *probed*:
+``rewrap`` under the target key alone answers whether the target key decrypts it, without any
+plaintext leaving the service; the probe's output is discarded and the row skipped as already
+migrated. A token the probe cannot open either (damaged, under a third key of that type, wrong
+aad) fails with its reason, and a token of any other type fails without a request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.client import (
+    CryptdAPIError,
+    CryptdClient,
+    CryptdConnectionError,
+    DecryptResult,
+    EncryptResult,
+    KeyMetadata,
+)
+
+from . import tokens
+from .model import (
+    FAIL_OTHER_KEY,
+    FAIL_VERIFY,
+    SKIP_ALREADY,
+    SKIP_NULL,
+    Kind,
+    MigrationRefused,
+    Outcome,
+    Page,
+    RunStopped,
+)
+
+# Item errors that may mean the key itself went away or changed state (not the row).
+_KEY_CODES = frozenset({"key_disabled", "key_not_found"})
+# Item or request errors after which nothing else can succeed.
+_STOP_CODES = frozenset({"forbidden", "unauthenticated"})
+_USABLE_SOURCE = frozenset({"enabled", "decrypt_only"})
+_KEY_CHECK_INTERVAL = 5.0
+_NULL = Outcome.skipped(SKIP_NULL)
+_ALREADY = Outcome.skipped(SKIP_ALREADY)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    name: str
+    type: str | None  # None: the client may not read the key's metadata
+    type_id: int | None
+    state: str | None  # None: the service shows no key states
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.type})" if self.type else self.name
+
+
+def _type_facts(type_name: str) -> tuple[int | None, bool]:
+    """(token type id, can encrypt) for a type this installation knows."""
+    from service.crypto.registry import KEY_TYPES
+
+    known = KEY_TYPES.get(type_name)
+    if known is None:
+        return None, True
+    return known.type_id, known.supports("encrypt")
+
+
+def _describe(client: CryptdClient, name: str, warnings: list[str]) -> KeyInfo:
+    try:
+        meta: KeyMetadata = client.get_key(name)
+    except CryptdConnectionError as exc:
+        raise MigrationRefused(f"cannot reach the service: {exc}") from None
+    except CryptdAPIError as exc:
+        if exc.code == "key_not_found":
+            raise MigrationRefused(f"the service has no key {name!r}") from None
+        if exc.code == "forbidden":
+            warnings.append(
+                f"this client may not read the metadata of {name!r}: its type and state are "
+                "not checked, and every token is sent to the service to find out"
+            )
+            return KeyInfo(name, None, None, None)
+        raise MigrationRefused(f"reading key {name!r}: {exc}") from None
+    state = meta.raw.get("state")
+    type_id, _ = _type_facts(meta.type)
+    return KeyInfo(name, meta.type, type_id, None if state is None else str(state))
+
+
+def preflight(
+    client: CryptdClient, from_key: str, to_key: str
+) -> tuple[KeyInfo, KeyInfo, list[str]]:
+    """Check both keys before anything is read; refuse when no row could be migrated."""
+    if from_key == to_key:
+        raise MigrationRefused("--from-key and --to-key are the same key")
+    warnings: list[str] = []
+    source = _describe(client, from_key, warnings)
+    target = _describe(client, to_key, warnings)
+    if target.type is not None and not _type_facts(target.type)[1]:
+        raise MigrationRefused(f"the target key {target.label} cannot encrypt")
+    if source.type is not None and not _type_facts(source.type)[1]:
+        raise MigrationRefused(f"the source key {source.label} holds no ciphertexts")
+    if target.state not in (None, "enabled"):
+        raise MigrationRefused(
+            f"the target key {to_key!r} is {target.state}: it takes no new encryptions, so no "
+            f'row could be migrated to it (PATCH /v1/keys/{to_key} {{"state": "enabled"}})'
+        )
+    if source.state is not None and source.state not in _USABLE_SOURCE:
+        raise MigrationRefused(
+            f"the source key {from_key!r} is {source.state}: nothing can be decrypted under it"
+        )
+    return source, target, warnings
+
+
+@dataclass(slots=True)
+class BatchResult:
+    outcomes: list[Outcome]
+    verified: int = 0
+
+
+class Rewrapper:
+    """Turns a page of rows into outcomes. Called from several threads at once: the client
+    (one httpx connection pool) is shared, which also keeps its set-up cost to one."""
+
+    def __init__(self, client: CryptdClient, source: KeyInfo, target: KeyInfo) -> None:
+        self._client = client
+        self.source = source
+        self.target = target
+        self._same_type = source.type_id is None or source.type_id == target.type_id
+        self._check_lock = threading.Lock()
+        self._keys_checked = 0.0
+
+    # -- one page ---------------------------------------------------------------------------
+
+    def process(self, page: Page, verify: Sequence[int] = ()) -> BatchResult:
+        tokens_ = page.tokens
+        outcomes: list[Outcome | None] = [None] * len(tokens_)
+        for index, failure in page.failures.items():
+            outcomes[index] = Outcome.failed(*failure)
+        rewrap: list[int] = []
+        probe: list[int] = []
+        source_id, target_id = self.source.type_id, self.target.type_id
+        for index, token in enumerate(tokens_):
+            if outcomes[index] is not None:
+                continue
+            if token is None:
+                outcomes[index] = _NULL
+                continue
+            kind = tokens.type_id(token)
+            if kind == source_id or source_id is None:
+                rewrap.append(index)
+            elif isinstance(kind, tuple):
+                outcomes[index] = Outcome.failed(*kind)
+            elif kind == target_id:
+                probe.append(index)
+            else:
+                outcomes[index] = Outcome.failed(
+                    FAIL_OTHER_KEY,
+                    f"the token is of another key type (id {kind}), "
+                    f"neither {self.source.label} nor {self.target.label}",
+                )
+        if rewrap:
+            to_key = self.target.name
+            items = [
+                {"ciphertext": tokens_[i], "aad": page.aad(i), "to_key": to_key} for i in rewrap
+            ]
+            for index, result in zip(rewrap, self._rewrap(self.source.name, items), strict=True):
+                if isinstance(result, EncryptResult):
+                    outcomes[index] = Outcome(Kind.MIGRATED, result.ciphertext)
+                elif result.code == "decryption_failed" and self._same_type:
+                    probe.append(index)
+                elif result.code == "decryption_failed":
+                    outcomes[index] = Outcome.failed(
+                        "decryption_failed",
+                        f"does not decrypt under {self.source.name!r} "
+                        "(damaged, another key of its type, or another aad)",
+                    )
+                else:
+                    outcomes[index] = self._item_failure(result)
+        if probe:
+            probe.sort()
+            items = [{"ciphertext": tokens_[i], "aad": page.aad(i)} for i in probe]
+            for index, result in zip(probe, self._rewrap(self.target.name, items), strict=True):
+                if isinstance(result, EncryptResult):
+                    outcomes[index] = _ALREADY
+                elif result.code == "decryption_failed":
+                    outcomes[index] = Outcome.failed(
+                        "decryption_failed",
+                        f"decrypts under neither {self.source.name!r} nor {self.target.name!r} "
+                        "(damaged, another key, or another aad)",
+                    )
+                else:
+                    outcomes[index] = self._item_failure(result)
+        done: list[Outcome] = [o for o in outcomes if o is not None]
+        assert len(done) == len(tokens_)
+        verified = self._verify(page, done, verify) if verify else 0
+        return BatchResult(done, verified)
+
+    def _rewrap(
+        self, key: str, items: list[dict[str, Any]]
+    ) -> list[EncryptResult | CryptdAPIError]:
+        try:
+            return self._client.rewrap_batch(key, items)
+        except CryptdConnectionError as exc:
+            raise RunStopped(f"cannot reach the service: {exc}") from None
+        except CryptdAPIError as exc:
+            hint = " (lower --batch-size)" if exc.code == "payload_too_large" else ""
+            raise RunStopped(f"the service refused a rewrap under {key!r}: {exc}{hint}") from None
+
+    def _item_failure(self, error: CryptdAPIError) -> Outcome:
+        if error.code in _STOP_CODES:
+            raise RunStopped(f"the service refused an item: {error}")
+        if error.code in _KEY_CODES:
+            self._check_keys()  # raises when the key itself is gone or unusable
+        return Outcome.failed(error.code, error.message)
+
+    def _check_keys(self) -> None:
+        """After an item error that names a key: stop when a key is gone or unusable, else the
+        error belongs to the row (e.g. a token version the key does not have)."""
+        with self._check_lock:
+            if time.monotonic() - self._keys_checked < _KEY_CHECK_INTERVAL:
+                return
+            try:
+                preflight(self._client, self.source.name, self.target.name)
+            except MigrationRefused as exc:
+                raise RunStopped(str(exc)) from None
+            self._keys_checked = time.monotonic()
+
+    # -- verification -------------------------------------------------------------------
+
+    def _verify(self, page: Page, outcomes: list[Outcome], sample: Sequence[int]) -> int:
+        chosen = [i for i in sample if outcomes[i].kind is Kind.MIGRATED]
+        if not chosen:
+            return 0
+        old = self._decrypt(self.source.name, [(page.tokens[i], page.aad(i)) for i in chosen])
+        new = self._decrypt(self.target.name, [(outcomes[i].token, page.aad(i)) for i in chosen])
+        for index, before, after in zip(chosen, old, new, strict=True):
+            if isinstance(before, CryptdAPIError):
+                message = f"could not decrypt the old token for verification: {before.code}"
+                outcomes[index] = Outcome.failed(FAIL_VERIFY, message)
+            elif isinstance(after, CryptdAPIError):
+                message = f"could not decrypt the new token for verification: {after.code}"
+                outcomes[index] = Outcome.failed(FAIL_VERIFY, message)
+            elif not hmac.compare_digest(before.plaintext, after.plaintext):
+                message = "the new token does not decrypt to the original plaintext"
+                outcomes[index] = Outcome.failed(FAIL_VERIFY, message)
+        return len(chosen)
+
+    def _decrypt(
+        self, key: str, items: list[tuple[str | None, bytes | None]]
+    ) -> list[DecryptResult | CryptdAPIError]:
+        body = [{"ciphertext": token, "aad": aad} for token, aad in items]
+        try:
+            return self._client.decrypt_batch(key, body)
+        except CryptdConnectionError as exc:
+            raise RunStopped(f"cannot reach the service: {exc}") from None
+        except CryptdAPIError as exc:
+            raise RunStopped(
+                f"--verify: the service refused a decrypt under {key!r}: {exc}"
+            ) from None

@@ -1,0 +1,175 @@
+"""Writing one page of new tokens, compare-and-set, inside the caller's transaction.
+
+Each writer answers which rows it updated (``WHERE id = :id AND column = :old`` matched), so a
+row changed by someone else since it was read is never overwritten. Writers per dialect, since
+the fastest way to send a thousand updates differs (measured in loadtest/migrate_bench.py):
+
+- ``sqlite``: the driver's executemany of one prepared UPDATE (no network; its summed row
+  count tells whether every row was updated, and only when not are the rows looked at);
+- ``postgresql``: one statement for the whole page, ``UPDATE ... FROM unnest(ids, olds, news)
+  ... RETURNING id``, three array parameters (one round trip, a constant statement);
+- ``pg-executemany``: psycopg's pipelined executemany with RETURNING (for comparison);
+- ``generic``: SQLAlchemy Core, one UPDATE per row (any dialect; correct, not fast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .model import MigrationRefused
+
+
+class Change(NamedTuple):
+    at: int  # the row's place in its page
+    ident: Any
+    old: Any  # the value as read (str or bytes)
+    new: str | bytes  # same type as ``old``
+
+
+class Writer(Protocol):
+    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+        """Apply ``changes`` (no commit); return the indexes of the rows updated."""
+        ...
+
+
+def _quoted(conn: Connection, table: sa.TableClause, *columns: str) -> tuple[str, ...]:
+    preparer = conn.dialect.identifier_preparer
+    return (preparer.format_table(table), *(preparer.quote(c) for c in columns))
+
+
+class SqliteWriter:
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        t, ident, col = _quoted(conn, table, id_column, column)
+        self._sql = f"UPDATE {t} SET {col} = ? WHERE {ident} = ? AND {col} = ?"  # noqa: S608
+        self._check = f"SELECT {col} FROM {t} WHERE {ident} = ?"  # noqa: S608
+
+    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.executemany(self._sql, [(c.new, c.ident, c.old) for c in changes])
+            if cursor.rowcount == len(changes):  # the sum over the statements
+                return {c.at for c in changes}
+            # Some rows changed since they were read: the rows holding their new (random,
+            # never repeated) token are the ones this transaction updated.
+            updated: set[int] = set()
+            for change in changes:
+                found = cursor.execute(self._check, (change.ident,)).fetchone()
+                if found is not None and found[0] == change.new:
+                    updated.add(change.at)
+            return updated
+        finally:
+            cursor.close()
+
+
+class _PostgresBase:
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        self.t, self.ident, self.col = _quoted(conn, table, id_column, column)
+        types: dict[str, str] = dict(
+            conn.exec_driver_sql(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+                " WHERE attrelid = CAST(%(t)s AS regclass) AND attnum > 0"
+                " AND NOT attisdropped AND attname = ANY(%(names)s)",
+                {"t": self.t, "names": [id_column, column]},
+            ).all()
+        )
+        conn.commit()
+        if id_column not in types or column not in types:
+            raise MigrationRefused(f"cannot read the column types of {self.t}")
+        self.id_type, self.col_type = types[id_column], types[column]
+
+    @staticmethod
+    def _cursor(conn: Connection) -> Any:
+        return conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+
+
+class PostgresUnnestWriter(_PostgresBase):
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        super().__init__(conn, table, id_column, column)
+        t, ident, col = self.t, self.ident, self.col
+        self._sql = (
+            f"UPDATE {t} SET {col} = v.new"  # noqa: S608
+            f" FROM unnest(%s::{self.id_type}[], %s::{self.col_type}[], %s::{self.col_type}[])"
+            f" WITH ORDINALITY AS v(id, old, new, n)"
+            f" WHERE {t}.{ident} = v.id AND {t}.{col} = v.old RETURNING v.n"
+        )
+
+    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+        params = (
+            [c.ident for c in changes],
+            [c.old for c in changes],
+            [c.new for c in changes],
+        )
+        with self._cursor(conn) as cursor:
+            cursor.execute(self._sql, params)
+            ordinals = [int(row[0]) for row in cursor.fetchall()]
+        return {changes[n - 1].at for n in ordinals}
+
+
+class PostgresExecutemanyWriter(_PostgresBase):
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        super().__init__(conn, table, id_column, column)
+        t, ident, col = self.t, self.ident, self.col
+        self._sql = f"UPDATE {t} SET {col} = %s WHERE {ident} = %s AND {col} = %s RETURNING 1"  # noqa: S608
+
+    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+        updated: set[int] = set()
+        with self._cursor(conn) as cursor:
+            cursor.executemany(
+                self._sql, [(c.new, c.ident, c.old) for c in changes], returning=True
+            )
+            for change in changes:
+                if cursor.fetchone() is not None:
+                    updated.add(change.at)
+                cursor.nextset()
+        return updated
+
+
+class GenericWriter:
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        del conn
+        self._statement = (
+            sa.update(table)
+            .where(table.c[id_column] == sa.bindparam("_id"))
+            .where(table.c[column] == sa.bindparam("_old"))
+            .values({column: sa.bindparam("_new")})
+        )
+
+    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+        updated: set[int] = set()
+        for change in changes:
+            params = {"_id": change.ident, "_old": change.old, "_new": change.new}
+            if conn.execute(self._statement, params).rowcount == 1:
+                updated.add(change.at)
+        return updated
+
+
+WRITERS: dict[str, Callable[[Connection, sa.TableClause, str, str], Writer]] = {
+    "sqlite": SqliteWriter,
+    "postgresql": PostgresUnnestWriter,
+    "pg-executemany": PostgresExecutemanyWriter,
+    "generic": GenericWriter,
+}
+
+
+def writer_for(
+    conn: Connection, table: sa.TableClause, id_column: str, column: str, name: str | None
+) -> Writer:
+    dialect, driver = conn.dialect.name, conn.dialect.driver
+    if name is None:
+        if dialect == "sqlite" and driver == "pysqlite":
+            name = "sqlite"
+        elif dialect == "postgresql" and driver == "psycopg":
+            name = "postgresql"
+        else:
+            name = "generic"
+    needs = {"sqlite": ("sqlite", "pysqlite"), "postgresql": ("postgresql", "psycopg")}
+    needs["pg-executemany"] = needs["postgresql"]
+    if name not in WRITERS:
+        raise MigrationRefused(f"unknown writer {name!r}; known: {', '.join(WRITERS)}")
+    if name in needs and needs[name] != (dialect, driver):
+        raise MigrationRefused(f"the {name} writer needs {'+'.join(needs[name])}")
+    return WRITERS[name](conn, table, id_column, column)
