@@ -1,0 +1,257 @@
+"""Resuming ``cryptd migrate``: real SIGKILLs, Ctrl-C, crashes on either side of a commit, and
+rows changed by someone else while the migration runs. After any of them every row is
+migrated exactly once: the totals count each row once and no row was re-done (a re-done row
+would show up as skipped, already under the target key)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from service.client import CryptdClient
+from service.migrate.checkpoint import CheckpointFile
+from service.migrate.engine import Migration, Options
+from service.migrate.failures import FailureLog
+from service.migrate.model import Page
+from service.migrate.service import Rewrapper, preflight
+from service.migrate.source import Written
+from service.migrate.sql import SqlSource
+from tests.conftest import Server
+from tests.migrate_support import (
+    Table,
+    client,
+    decrypts_to,
+    migrate_command,
+    new_key,
+    run_migrate,
+    sql_args,
+    table_of,
+)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tokens.db'}"
+    url: str = request.getfixturevalue("pg_database")
+    return url
+
+
+@pytest.fixture
+def cryptd(server: Server) -> Iterator[CryptdClient]:
+    with client(server) as c:
+        yield c
+
+
+def _committed(checkpoint: Path) -> int:
+    try:
+        data = json.loads(checkpoint.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+    counts = data["committed"]["counts"]
+    return int(counts["migrated"]) + sum(counts["skipped"].values())
+
+
+def _wait_for_progress(checkpoint: Path, beyond: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while _committed(checkpoint) <= beyond:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.02)
+
+
+def _assert_exactly_once(report: dict[str, Any], rows: int) -> None:
+    total = report["total"]
+    assert total["migrated"] == rows
+    assert total["skipped"] == {}  # nothing committed was done twice
+    assert total["failed"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pair", "rows"), [(("aes256-gcm", "sm4-gcm"), 15000), (("rsa-2048", "sm2"), 2500)]
+)
+def test_sigkilled_three_times_then_resumed(
+    server: Server,
+    cryptd: CryptdClient,
+    db_url: str,
+    tmp_path: Path,
+    pair: tuple[str, str],
+    rows: int,
+) -> None:
+    source, target = new_key(cryptd, pair[0]), new_key(cryptd, pair[1])
+    table = table_of(cryptd, db_url, source, rows)
+    checkpoint = tmp_path / "kill.ckpt"
+    batch = "100" if rows > 5000 else "25"
+    args = sql_args(table, source, target, "--checkpoint", str(checkpoint), "--batch-size", batch)
+    kills = 0
+    seen = 0
+    while kills < 3:
+        with subprocess.Popen(
+            migrate_command(server, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        ) as process:
+            _wait_for_progress(checkpoint, seen, process)
+            time.sleep(random.uniform(0, 0.3))  # anywhere: reading, at the service, committing
+            process.send_signal(signal.SIGKILL)
+            assert process.wait(timeout=30) == -signal.SIGKILL
+        kills += 1
+        seen = _committed(checkpoint)
+        assert seen < rows, "the run finished before it could be killed: make the table bigger"
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    assert report["resumed"] is True
+    _assert_exactly_once(report, rows)
+    assert all(decrypts_to(cryptd, target, table.rows()))
+
+
+def test_ctrl_c_stops_cleanly_and_the_run_resumes(
+    server: Server, cryptd: CryptdClient, tmp_path: Path
+) -> None:
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, f"sqlite:///{tmp_path / 'x.db'}", source, 12000)
+    checkpoint = tmp_path / "int.ckpt"
+    args = sql_args(table, source, target, "--checkpoint", str(checkpoint), "--batch-size", "50")
+    process = subprocess.Popen(
+        [*migrate_command(server, *args), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _wait_for_progress(checkpoint, 0, process)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    report = json.loads(out)
+    assert report["signal"] == "SIGINT"
+    assert report["status"] == "interrupted"
+    saved = json.loads(checkpoint.read_text())
+    assert saved["done"] is False
+    assert saved["pending"] is None  # a clean checkpoint: every page in flight was committed
+    assert saved["committed"]["counts"]["migrated"] == report["total"]["migrated"] > 0
+    done = report["total"]["migrated"]
+    assert sum(decrypts_to(cryptd, target, table.rows())) == done
+
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    _assert_exactly_once(report, 12000)
+    assert report["run"]["migrated"] == 12000 - done
+
+
+# -- crashes on either side of a commit, in-process -----------------------------------------
+
+
+class _Crash(BaseException):
+    pass
+
+
+class _CrashingSource(SqlSource):
+    """Stops the process (an exception nothing catches) at one point of the ``crash_at``-th
+    page's write: before the commit, after the checkpoint that precedes it, or after it."""
+
+    def __init__(self, *args: Any, crash_at: int, when: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.crash_at, self.when, self.pages = crash_at, when, 0
+
+    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
+        self.pages += 1
+        if self.pages != self.crash_at:
+            return super().write(page, changes, written)
+
+        def then_crash(conflicts: Sequence[int], witness: Any) -> None:
+            written(conflicts, witness)
+            if self.when == "before-commit":
+                raise _Crash
+
+        super().write(page, changes, then_crash)
+        raise _Crash  # after the commit, before the next checkpoint
+
+
+def _run_in_process(
+    server: Server, table: Table, source_key: str, target_key: str, checkpoint: Path, **crash: Any
+) -> None:
+    with client(server) as cryptd:
+        source_info, target_info, _ = preflight(cryptd, source_key, target_key)
+        if crash:
+            source: SqlSource = _CrashingSource(table.url, "t", "tok", "id", "aad", **crash)
+        else:
+            source = SqlSource(table.url, "t", "tok", "id", "aad")
+        binding = {"source": source.identity(), "from_key": source_key, "to_key": target_key}
+        migration = Migration(
+            source,
+            Rewrapper(cryptd, source_info, target_info),
+            Options(batch_size=40, concurrency=3),
+            checkpoint=CheckpointFile(checkpoint, binding),
+            failures=FailureLog(checkpoint.with_name("f.jsonl")),
+        )
+        try:
+            migration.run()
+        finally:
+            source.close()
+
+
+@pytest.mark.parametrize("when", ["before-commit", "after-commit"])
+def test_a_crash_on_either_side_of_a_commit(
+    server: Server, cryptd: CryptdClient, db_url: str, tmp_path: Path, when: str
+) -> None:
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, db_url, source, 400)
+    checkpoint = tmp_path / "crash.ckpt"
+    with pytest.raises(_Crash):
+        _run_in_process(server, table, source, target, checkpoint, crash_at=4, when=when)
+    saved = json.loads(checkpoint.read_text())
+    assert saved["pending"] is not None  # the page's checkpoint was written before its commit
+    landed = sum(decrypts_to(cryptd, target, table.rows()))
+    assert landed == (160 if when == "after-commit" else 120)
+    status, report, stderr = run_migrate(
+        server, *sql_args(table, source, target, "--checkpoint", str(checkpoint))
+    )
+    assert status == 0, stderr
+    assert report is not None
+    _assert_exactly_once(report, 400)
+    assert report["run"]["migrated"] == 400 - landed
+    assert all(decrypts_to(cryptd, target, table.rows()))
+
+
+class _MeddlingSource(SqlSource):
+    """The application writes to a row after the migration read it and before it is written."""
+
+    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
+        if 7 in page.ids:
+            engine = sa.create_engine(self._url)
+            with engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE t SET tok = 'changed by the app' WHERE id = 7")
+            engine.dispose()
+        super().write(page, changes, written)
+
+
+def test_a_row_changed_during_the_migration_is_never_overwritten(
+    server: Server, cryptd: CryptdClient, db_url: str, tmp_path: Path
+) -> None:
+    source_key, target_key = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, db_url, source_key, 50)
+    source_info, target_info, _ = preflight(cryptd, source_key, target_key)
+    source = _MeddlingSource(table.url, "t", "tok", "id", "aad")
+    log = FailureLog(tmp_path / "f.jsonl")
+    try:
+        result = Migration(
+            source, Rewrapper(cryptd, source_info, target_info), Options(20, 2), failures=log
+        ).run()
+    finally:
+        source.close()
+        log.close()
+    assert result.total.migrated == 49
+    assert dict(result.total.failed) == {"changed_during_migration": 1}
+    rows = {r[0]: r for r in table.rows()}
+    assert rows[7][1] == "changed by the app"
+    assert all(decrypts_to(cryptd, target_key, [r for i, r in rows.items() if i != 7]))
+    assert [json.loads(x)["id"] for x in (tmp_path / "f.jsonl").read_text().splitlines()] == [7]
