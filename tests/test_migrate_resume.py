@@ -186,17 +186,19 @@ def _run_in_process(
         else:
             source = SqlSource(table.url, "t", "tok", "id", "aad")
         binding = {"source": source.identity(), "from_key": source_key, "to_key": target_key}
+        log = FailureLog(checkpoint.with_name(checkpoint.name + ".failures.jsonl"))
         migration = Migration(
             source,
             Rewrapper(cryptd, source_info, target_info),
             Options(batch_size=40, concurrency=3),
             checkpoint=CheckpointFile(checkpoint, binding),
-            failures=FailureLog(checkpoint.with_name("f.jsonl")),
+            failures=log,
         )
         try:
             migration.run()
         finally:
             source.close()
+            log.close()
 
 
 @pytest.mark.parametrize("when", ["before-commit", "after-commit"])
