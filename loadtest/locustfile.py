@@ -1,4 +1,4 @@
-"""Locust load test for cryptd, built on the project's signing client (service.client).
+"""Locust load test for cryptd, built on the project's signing client (cryptd_client).
 
     cryptd serve --dev &                      # writes .cryptd-dev/client.json
     locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s
@@ -6,7 +6,7 @@
 
 The credential comes from ``CRYPTD_CREDENTIALS`` (default ``.cryptd-dev/client.json``); ``--host``
 overrides its URL. One task per scenario of loadtest/scenarios.py, tagged with the scenario
-name; every request is signed by :class:`service.client.CryptdClient` with a fresh nonce. The
+name; every request is signed by :class:`cryptd_client.CryptdClient` with a fresh nonce. The
 client's retries are off so 429/503 show up as failures instead of hiding in retries.
 
 Locust's Python users are expensive per request (gevent, httpx): use it for mixed workloads
@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 from locust import User, constant, tag, task
 
-from service.client import CryptdAPIError, CryptdClient
+from cryptd_client import CryptdAPIError, CryptdClient
 
 # The sizes and filler of loadtest/scenarios.py, repeated because locust puts this file's
 # directory on sys.path, not the repository root (tests check that they agree).

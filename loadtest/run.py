@@ -861,6 +861,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         const=Path(__file__).resolve().parent.parent / "README.md",
         help="rewrite the generated table of README.md's performance section (or of FILE)",
     )
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw cryptd against OpenBao per scenario, throughput and P99 (charts extra)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     return parser.parse_args(argv)
 
@@ -1036,6 +1042,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             log(f"updated {args.update_readme}")
         log(f"results: {out}")
+        if args.chart:
+            from loadtest.chart import comparison_chart
+
+            log(f"chart: {comparison_chart(result, args.chart)}")
     finally:
         if args.keep:
             log(f"kept {workdir}")

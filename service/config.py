@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     access_log: bool = False
     audit_log: str = "stderr"  # "stderr", "off" or a file path
     metrics: bool = True
-    # /openapi.json, /docs and /redoc (unsigned): None = on in development, off in production.
+    # /openapi.json and /docs (unsigned): None = on in development, off in production.
     docs: bool | None = None
 
     dev_dir: Path = Path(".cryptd-dev")

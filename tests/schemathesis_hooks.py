@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 import schemathesis
 
-from service.auth.signature import sign_request
+from cryptd_client import sign_request
 
 _CREDENTIAL = json.loads(Path(os.environ["CRYPTD_CREDENTIAL"]).read_text(encoding="utf-8"))
 _CLIENT_ID = _CREDENTIAL["client_id"]
@@ -28,9 +28,7 @@ class Rfc9421Auth(requests.auth.AuthBase):
         if isinstance(body, str):
             body = body.encode("utf-8")
         assert request.method is not None
-        request.headers.update(
-            sign_request(request.method, path, query, body, _CLIENT_ID, _SECRET)
-        )
+        request.headers.update(sign_request(request.method, path, query, body, _CLIENT_ID, _SECRET))
         return request
 
 

@@ -1,8 +1,9 @@
-"""API documentation that works without internet: ``/openapi.json``, Swagger UI at ``/docs`` and
-Redoc at ``/redoc``, their scripts and styles served from the ``fastapi-offline`` package (the
-``docs`` extra), never from a CDN; the pages' Content-Security-Policy lets them reach this
-origin only. Off unless ``CRYPTD_DOCS=true``; development turns them on by default when the
-extra is installed. They are unsigned, as documentation is.
+"""API documentation that works without internet: ``/openapi.json`` and Swagger UI at ``/docs``,
+its scripts and styles served from the ``fastapi-offline`` package (the ``docs`` extra), never
+from a CDN; the page's Content-Security-Policy lets it reach this origin only. (No Redoc: its
+standalone build always loads a logo from its vendor's CDN.) Off unless ``CRYPTD_DOCS=true``;
+development turns them on by default when the extra is installed. Unsigned, as documentation
+is.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
@@ -22,7 +23,6 @@ log = logging.getLogger("cryptd.api")
 
 OPENAPI_PATH = "/openapi.json"
 DOCS_PATH = "/docs"
-REDOC_PATH = "/redoc"
 ASSETS_PATH = "/docs-assets"
 # The page may load and connect to this origin only: nothing leaves the host.
 _CSP = (
@@ -81,17 +81,6 @@ def install(app: FastAPI, *, enabled: bool, required: bool) -> bool:
             swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
             swagger_favicon_url=f"{ASSETS_PATH}/favicon.png",
             swagger_ui_parameters={"validatorUrl": None, "tryItOutEnabled": False},
-        )
-        return HTMLResponse(page.body, headers=_HEADERS)
-
-    @app.get(REDOC_PATH, include_in_schema=False)
-    async def redoc(request: Request) -> Response:
-        page = get_redoc_html(
-            openapi_url=OPENAPI_PATH,
-            title="cryptd API",
-            redoc_js_url=f"{ASSETS_PATH}/redoc.standalone.js",
-            redoc_favicon_url=f"{ASSETS_PATH}/favicon.png",
-            with_google_fonts=False,
         )
         return HTMLResponse(page.body, headers=_HEADERS)
 

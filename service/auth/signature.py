@@ -24,23 +24,28 @@ import hashlib
 import hmac
 import os
 import re
-import secrets
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from http_sfv.dictionary import Dictionary
 from http_sfv.item import InnerList, Item
 
+# The signer's side (constants, serializer, signature base, digest, sign_request) is the light
+# client's, so both ends build the signature base with the same code; the verifier is here.
+from cryptd_client.signing import ALGORITHM as ALGORITHM
+from cryptd_client.signing import CONTENT_TYPE as CONTENT_TYPE
+from cryptd_client.signing import COVERED_COMPONENTS as COVERED_COMPONENTS
+from cryptd_client.signing import COVERED_SERIALIZED
+from cryptd_client.signing import LABEL as LABEL
+from cryptd_client.signing import REQUIRED_PARAMS as REQUIRED_PARAMS
+from cryptd_client.signing import content_digest as content_digest
+from cryptd_client.signing import hmac_sha256 as hmac_sha256
+from cryptd_client.signing import serialize_signature_params as serialize_signature_params
+from cryptd_client.signing import sign_request as sign_request
+from cryptd_client.signing import signature_base as signature_base
 from service.errors import Unauthenticated
 
-ALGORITHM: Final = "hmac-sha256"
-LABEL: Final = "sig1"
-COVERED_COMPONENTS: Final = ("@method", "@path", "@query", "content-digest", "content-type")
-# Signature parameters every request carries, in the order the signer writes them.
-REQUIRED_PARAMS: Final = ("created", "nonce", "keyid", "alg")
-CONTENT_TYPE: Final = "application/json"
 DEFAULT_MAX_AGE: Final = 300
 MAX_NONCE_LENGTH: Final = 128
 # Field values longer than this are refused before parsing: a real one is ~200 bytes.
@@ -106,58 +111,6 @@ class SignatureInput:
 # Building blocks (also used by the known-answer tests)
 
 
-def serialize_signature_params(
-    components: Sequence[str], params: Sequence[tuple[str, int | str]]
-) -> str:
-    """Serialize the ``@signature-params`` inner list, e.g. ``("@method");created=1``.
-
-    Only the value types a cryptd signature uses (sf-string components, integer and string
-    parameters); the tests check it against ``http_sfv``'s serializer.
-    """
-    if tuple(components) == COVERED_COMPONENTS:
-        items = _COVERED_SERIALIZED
-    else:
-        items = "(" + " ".join(_ser_string(name) for name in components) + ")"
-    return items + "".join(
-        f";{name}={value}" if type(value) is int else f";{name}={_ser_string(str(value))}"
-        for name, value in params
-    )
-
-
-def _ser_string(value: str) -> str:
-    # sf-string: printable ASCII only, with backslash and double quote escaped.
-    if not (value.isascii() and value.isprintable()):
-        raise AuthError("malformed")
-    if "\\" in value or '"' in value:
-        value = value.replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{value}"'
-
-
-_COVERED_SERIALIZED: Final = "(" + " ".join(_ser_string(name) for name in COVERED_COMPONENTS) + ")"
-
-
-def signature_base(components: Sequence[tuple[str, str]], signature_params: str) -> bytes:
-    """The RFC 9421 section 2.5 signature base: one ``"name": value`` line per component."""
-    lines = [f'"{name}": {value}' for name, value in components]
-    lines.append(f'"@signature-params": {signature_params}')
-    text = "\n".join(lines)
-    if "\r" in text or text.count("\n") != len(components):
-        raise AuthError("malformed")
-    try:
-        return text.encode("ascii")
-    except UnicodeEncodeError:
-        raise AuthError("malformed") from None
-
-
-def hmac_sha256(secret: bytes, base: bytes) -> bytes:
-    return hmac.digest(secret, base, "sha256")
-
-
-def content_digest(body: bytes) -> str:
-    """``Content-Digest`` field value for ``body`` (sha-256)."""
-    return f"sha-256=:{base64.b64encode(hashlib.sha256(body).digest()).decode('ascii')}:"
-
-
 def parse_content_digest(value: str) -> dict[str, bytes]:
     """The digests of a ``Content-Digest`` field by algorithm (sha-256 required, sha-512
     optional; members for other algorithms are ignored, RFC 9530 section 2)."""
@@ -208,7 +161,7 @@ def parse_signature(signature_input: str, signature: str) -> SignatureInput:
 _KEY = r"[a-z*][a-z0-9_\-.*]*"
 _PLAIN = r"[ !#-\[\]-~]"  # printable ASCII except '"' and '\'
 _CANONICAL_INPUT_RE = re.compile(
-    rf"({_KEY})=({re.escape(_COVERED_SERIALIZED)};created=(0|[1-9][0-9]{{0,14}})"
+    rf"({_KEY})=({re.escape(COVERED_SERIALIZED)};created=(0|[1-9][0-9]{{0,14}})"
     rf';nonce="({_PLAIN}{{1,{MAX_NONCE_LENGTH}}})";keyid="({_PLAIN}+)";alg="{ALGORITHM}")'
 )
 _SIGNATURE_RE = re.compile(rf"({_KEY})=:([A-Za-z0-9+/]*={{0,2}}):")
@@ -254,15 +207,19 @@ def _check_params(label: str, params: _Params, mac: bytes) -> SignatureInput:
     if not 0 < len(nonce) <= MAX_NONCE_LENGTH or not keyid:
         raise AuthError("bad_params")
     typed: dict[str, int | str] = {"created": created, "nonce": nonce, "keyid": keyid, "alg": alg}
+    try:
+        # Re-serialized from the parsed values, as RFC 9421 section 3.2 has the verifier do.
+        signature_params = serialize_signature_params(
+            COVERED_COMPONENTS, [(name, typed[name]) for name, _ in params]
+        )
+    except ValueError:
+        raise AuthError("malformed") from None
     return SignatureInput(
         label=label,
         keyid=keyid,
         nonce=nonce,
         created=created,
-        # Re-serialized from the parsed values, as RFC 9421 section 3.2 has the verifier do.
-        signature_params=serialize_signature_params(
-            COVERED_COMPONENTS, [(name, typed[name]) for name, _ in params]
-        ),
+        signature_params=signature_params,
         signature=mac,
     )
 
@@ -337,16 +294,19 @@ def verify_request(
     if parsed.created > now + max_age:
         raise AuthError("future")
 
-    base = signature_base(
-        (
-            ("@method", method),
-            ("@path", path or "/"),
-            ("@query", "?" + query),
-            ("content-digest", digest_field),
-            ("content-type", content_type),
-        ),
-        parsed.signature_params,
-    )
+    try:
+        base = signature_base(
+            (
+                ("@method", method),
+                ("@path", path or "/"),
+                ("@query", "?" + query),
+                ("content-digest", digest_field),
+                ("content-type", content_type),
+            ),
+            parsed.signature_params,
+        )
+    except ValueError:  # a line break or non-ASCII in a covered field
+        raise AuthError("malformed") from None
     secret = secret_for(parsed.keyid)
     expected = hmac_sha256(_DUMMY_SECRET if secret is None else secret, base)
     if not hmac.compare_digest(expected, parsed.signature) or secret is None:
@@ -354,49 +314,3 @@ def verify_request(
     # The digest field is authentic now; the body must match it.
     check_content_digest(digests, body)
     return parsed
-
-
-def sign_request(
-    method: str,
-    url_path: str,
-    query: str,
-    body: bytes,
-    client_id: str,
-    secret: bytes,
-    created: int | None = None,
-    nonce: str | None = None,
-) -> dict[str, str]:
-    """Headers that authenticate one request: Content-Type, Content-Digest, Signature-Input,
-    Signature.
-
-    ``url_path`` must be the path exactly as it goes on the wire (percent-encoded), ``query``
-    the query string without ``?``. A fresh random nonce and the current time are used unless
-    given (known-answer tests give them).
-    """
-    digest = content_digest(body)
-    params = serialize_signature_params(
-        COVERED_COMPONENTS,
-        (
-            ("created", int(time.time()) if created is None else created),
-            ("nonce", secrets.token_urlsafe(18) if nonce is None else nonce),
-            ("keyid", client_id),
-            ("alg", ALGORITHM),
-        ),
-    )
-    base = signature_base(
-        (
-            ("@method", method.upper()),
-            ("@path", url_path or "/"),
-            ("@query", "?" + query),
-            ("content-digest", digest),
-            ("content-type", CONTENT_TYPE),
-        ),
-        params,
-    )
-    mac = base64.b64encode(hmac_sha256(secret, base)).decode("ascii")
-    return {
-        "Content-Type": CONTENT_TYPE,
-        "Content-Digest": digest,
-        "Signature-Input": f"{LABEL}={params}",
-        "Signature": f"{LABEL}=:{mac}:",
-    }

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
+from cryptd_client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
 
 OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random")
 KEY_COMMANDS = ("keys", "key", "create", "rotate")

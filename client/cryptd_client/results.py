@@ -1,0 +1,86 @@
+"""What the methods return: the wire's fields with their wire types (binary fields as bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptResult:
+    ciphertext: str
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecryptResult:
+    plaintext: bytes = field(repr=False)
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class SignResult:
+    signature: bytes
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class MacResult:
+    mac: str
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataKey:
+    plaintext: bytes = field(repr=False)
+    ciphertext: str
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyVersion:
+    version: int
+    created_at: str | None = None
+    public_key_pem: str | None = None
+    public_key_raw: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyMetadata:
+    """A key's metadata. ``versions`` is filled by ``get_key`` (public keys only); fields this
+    version of the client does not know are in ``raw``."""
+
+    name: str
+    type: str
+    latest_version: int
+    min_decryption_version: int
+    created_at: str | None = None
+    deletion_allowed: bool | None = None
+    derived: bool = False
+    convergent: bool = False
+    versions: tuple[KeyVersion, ...] = ()
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KeyMetadata:
+        return cls(
+            name=data["name"],
+            type=data["type"],
+            latest_version=int(data["latest_version"]),
+            min_decryption_version=int(data["min_decryption_version"]),
+            created_at=data.get("created_at"),
+            deletion_allowed=data.get("deletion_allowed"),
+            derived=bool(data.get("derived", False)),
+            convergent=bool(data.get("convergent", False)),
+            versions=tuple(
+                KeyVersion(
+                    version=int(v["version"]),
+                    created_at=v.get("created_at"),
+                    public_key_pem=v.get("public_key_pem"),
+                    public_key_raw=v.get("public_key_raw"),
+                )
+                for v in data.get("versions", ())
+            ),
+            raw=dict(data),
+        )

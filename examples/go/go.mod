@@ -1,0 +1,3 @@
+module example.com/cryptd-example
+
+go 1.19

@@ -1,0 +1,142 @@
+"""Charts (PNG) for the benchmarks: ``cryptd bench --chart`` and the load-test runner's report.
+
+matplotlib is an optional extra (``pip install 'cryptd[charts]'``); it is imported when a
+chart is drawn, never by the service. Drawing uses the non-interactive Agg backend, so it
+needs no display.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from service.bench import Report
+
+Series = Mapping[str, Sequence[float | None]]
+
+# One colour per series name, the same in every chart (colour-blind safe, Okabe-Ito).
+_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
+
+
+class ChartsUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def figure(rows: int, columns: int = 1, *, width: float = 11.0, height: float = 4.2) -> Figure:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ChartsUnavailable("charts need matplotlib: pip install 'cryptd[charts]'") from None
+    fig = Figure(figsize=(width, height * rows), layout="constrained")
+    fig.subplots(rows, columns, squeeze=False)
+    return fig
+
+
+def grouped_bars(
+    ax: Axes,
+    categories: Sequence[str],
+    series: Series,
+    *,
+    title: str,
+    ylabel: str,
+    log: bool = False,
+    labels: bool = True,
+) -> None:
+    """One group of bars per category, one bar per series; a missing value (None) leaves a
+    gap. With ``labels`` each bar carries its value."""
+    names = list(series)
+    width = 0.8 / max(1, len(names))
+    for index, name in enumerate(names):
+        values = [math.nan if v is None else float(v) for v in series[name]]
+        positions = [c + (index - (len(names) - 1) / 2) * width for c in range(len(categories))]
+        bars = ax.bar(positions, values, width, label=name, color=_PALETTE[index % len(_PALETTE)])
+        if labels:
+            ax.bar_label(
+                bars, labels=[_short(v) for v in values], fontsize=7, padding=2, rotation=90
+            )
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.margins(y=0.25)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncols=min(len(names), 5))
+
+
+def _short(value: float) -> str:
+    if math.isnan(value):
+        return ""
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.3g}"
+
+
+def save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def bench_chart(report: Report, path: str | Path, titles: Mapping[str, str]) -> Path:
+    """``cryptd bench``: ops/s per operation for each algorithm (SM2 against RSA-2048 and the
+    others), then the service's hybrid encrypt / decrypt by payload size (SM2 against RSA)."""
+    from service import bench
+
+    backends = [b for b in bench.BACKENDS if any(r.backend == b for r in report.results)]
+    sizes = sorted({r.payload for r in report.results if r.payload is not None})
+    fig = figure(2 if sizes else 1)
+    axes: Any = fig.axes
+    grouped_bars(
+        axes[0],
+        list(bench.OPERATIONS),
+        {titles[b]: [report.rate(b, op) for op in bench.OPERATIONS] for b in backends},
+        title=f"Operations per second, one thread ({bench.KEY_PAYLOAD}-byte payloads; "
+        "log scale, higher is better)",
+        ylabel="ops/s",
+        log=True,
+    )
+    if sizes:
+        categories = [f"{op} {_size(size)}" for size in sizes for op in ("encrypt", "decrypt")]
+        hybrid = [b for b in ("sm2-hybrid", "rsa-2048-hybrid") if b in _present(report)]
+        grouped_bars(
+            axes[1],
+            categories,
+            {
+                titles[b]: [
+                    report.rate(b, op, size) for size in sizes for op in ("encrypt", "decrypt")
+                ]
+                for b in hybrid
+            },
+            title="The service's encryption by payload size: SM2 (SM4-GCM data key) "
+            "against RSA-2048 (AES-256-GCM data key)",
+            ylabel="ops/s",
+        )
+        axes[1].tick_params(axis="x", labelrotation=30, labelsize=8)
+    meta = report.meta
+    fig.suptitle(
+        f"cryptd bench: Python {meta['python']}, {meta['libcrypto']}, {meta['machine']}, "
+        f"{meta['cpus']} CPUs",
+        fontsize=10,
+    )
+    return save(fig, path)
+
+
+def _present(report: Report) -> set[str]:
+    return {r.backend for r in report.results}
+
+
+def _size(size: int) -> str:
+    return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
