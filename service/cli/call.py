@@ -203,7 +203,13 @@ def _call(args: argparse.Namespace) -> int:
     data = json.loads(credential.read_text(encoding="utf-8"))
     url = args.url or data["url"]
     try:
-        with CryptdClient(url, data["client_id"], data["secret"]) as client:
+        # TLS files named in the credential (https://), relative to its directory.
+        tls = {
+            name: credential.parent / data[name]
+            for name in ("ca_file", "cert_file", "key_file")
+            if data.get(name)
+        }
+        with CryptdClient(url, data["client_id"], data["secret"], **tls) as client:
             result, status = _execute(client, args)
     except CryptdAPIError as exc:
         error = {
