@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,10 @@ def test_the_server_signs_with_the_client_implementation() -> None:
 
 
 @pytest.fixture
-def offline() -> CryptdClient:
+def offline() -> Iterator[CryptdClient]:
     # No request is sent: each call below fails its type check first.
-    return CryptdClient("http://127.0.0.1:9", "someone", "c2VjcmV0LXNlY3JldC1zZWNyZXQ=")
+    with CryptdClient("http://127.0.0.1:9", "someone", "c2VjcmV0LXNlY3JldC1zZWNyZXQ=") as client:
+        yield client
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,13 @@ def test_generated_client_round_trip(generated: ModuleType, server: Server) -> N
     encrypt = importlib.import_module(f"{PACKAGE}.api.crypto.encrypt")
     decrypt = importlib.import_module(f"{PACKAGE}.api.crypto.decrypt")
     models = importlib.import_module(f"{PACKAGE}.models")
-    client = _signed_client(generated, server)
+    with _signed_client(generated, server) as client:  # type: ignore[attr-defined]
+        _round_trip(client, encrypt, decrypt, models)
+
+
+def _round_trip(
+    client: object, encrypt: ModuleType, decrypt: ModuleType, models: ModuleType
+) -> None:
     plaintext = b"generated from /openapi.json"
 
     sealed = encrypt.sync(
@@ -119,14 +125,17 @@ def test_generated_client_round_trip(generated: ModuleType, server: Server) -> N
 def test_generated_batch_form_is_typed(generated: ModuleType, server: Server) -> None:
     encrypt = importlib.import_module(f"{PACKAGE}.api.crypto.encrypt")
     models = importlib.import_module(f"{PACKAGE}.models")
-    client = _signed_client(generated, server)
-    answer = encrypt.sync(
-        "aes256-gcm",
-        client=client,
-        body=models.EncryptRequestBatch(
-            batch=[models.EncryptRequest(plaintext="YQ=="), models.EncryptRequest(plaintext="!")]
-        ),
-    )
+    with _signed_client(generated, server) as client:  # type: ignore[attr-defined]
+        answer = encrypt.sync(
+            "aes256-gcm",
+            client=client,
+            body=models.EncryptRequestBatch(
+                batch=[
+                    models.EncryptRequest(plaintext="YQ=="),
+                    models.EncryptRequest(plaintext="!"),
+                ]
+            ),
+        )
     assert isinstance(answer, models.EncryptResponseBatch), answer
     first, second = answer.batch
     assert isinstance(first, models.EncryptResponse)
@@ -136,6 +145,6 @@ def test_generated_batch_form_is_typed(generated: ModuleType, server: Server) ->
 
 def test_unsigned_requests_are_refused(generated: ModuleType, server: Server) -> None:
     list_keys = importlib.import_module(f"{PACKAGE}.api.keys.list_keys")
-    unsigned = generated.AuthenticatedClient(base_url=server.url, token="x")
-    answer = list_keys.sync_detailed(client=unsigned)
+    with generated.AuthenticatedClient(base_url=server.url, token="x") as unsigned:
+        answer = list_keys.sync_detailed(client=unsigned)
     assert answer.status_code == 401
