@@ -42,7 +42,7 @@ def assets_directory() -> Path:
         import fastapi_offline
     except ImportError:
         raise DocsUnavailable(
-            "CRYPTD_DOCS=true needs the documentation assets: pip install 'cryptd[docs]'"
+            "the documentation pages need their assets: pip install 'cryptd[docs]'"
         ) from None
     directory = Path(fastapi_offline.__file__).parent / "static"
     if not (directory / "swagger-ui-bundle.js").is_file():
