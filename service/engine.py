@@ -321,6 +321,17 @@ def run_batch(
     """
     key = keyring.key(name)
     check_operation(key, op)
+    return run_items(keyring, key, op, items, observer)
+
+
+def run_items(
+    keyring: Keyring,
+    key: Key,
+    op: OpName,
+    items: Sequence[Item],
+    observer: Observer | None = None,
+) -> list[Outcome]:
+    """:func:`run_batch` on a key already looked up and checked for ``op``."""
     function = OPERATIONS[op]
     results: list[Outcome] = []
     failures = 0

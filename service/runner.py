@@ -42,16 +42,17 @@ class CryptoRunner:
         engine.check_operation(key, op)
         if not items:
             return []
+        executor = self._executors[key.type.name]
+        if len(items) == 1 and (executor.kind == "inline" or key.type.name in self._single_inline):
+            return engine.run_items(keyring, key, op, items, self._observer)
         size = self._chunk_size
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        executor = self._executors[key.type.name]
-        single_inline = len(items) == 1 and key.type.name in self._single_inline
-        if executor.kind == "inline" or single_inline:
+        if executor.kind == "inline":
             results: list[Outcome] = []
             for index, chunk in enumerate(chunks):
                 if index:
                     await asyncio.sleep(0)
-                results += engine.run_batch(keyring, op, name, chunk, self._observer)
+                results += engine.run_items(keyring, key, op, chunk, self._observer)
             return results
         if executor.kind == "process":
             tasks = [

@@ -207,3 +207,25 @@ async def test_other_routes_take_the_layered_path(
     status, _, _ = await _call(fast, "/v1/keys", _signed(credential, "/v1/keys", body), [body])
     assert called == ["/v1/keys"]
     assert status in (200, 405)
+
+
+def test_fresh_request_ids_are_unique_in_a_process_and_across_forks() -> None:
+    import re
+
+    from service.asgi import request_id_of
+
+    ids = {request_id_of(b"") for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(re.fullmatch(rb"[0-9a-f]{32}", i) for i in ids)
+    assert request_id_of(b"client-id.1") == b"client-id.1"
+    assert request_id_of(b"bad id") != b"bad id"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a prefix of its own
+        os.write(write, request_id_of(b""))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64)
+    os.close(read)
+    os.close(write)
+    assert child[:16] != request_id_of(b"")[:16]

@@ -18,15 +18,13 @@ per request here, most of a 200-500 us request, hence this direct implementation
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 import hmac
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 from http_sfv.dictionary import Dictionary
 from http_sfv.item import InnerList, Item
@@ -95,16 +93,22 @@ class AuthError(Unauthenticated):
         return (type(self), (self.reason,))
 
 
-@dataclass(frozen=True, slots=True)
-class SignatureInput:
-    """One parsed signature: its signed parameters and the signature bytes."""
+class SignatureInput(NamedTuple):
+    """One parsed signature: its signed parameters and the signature bytes. (A named tuple:
+    immutable, and a tenth of a frozen dataclass's cost to build on every request.)"""
 
     label: str
     keyid: str
     nonce: str
     created: int
     signature_params: str  # serialized inner list: the "@signature-params" value
-    signature: bytes = field(repr=False)
+    signature: bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"SignatureInput(label={self.label!r}, keyid={self.keyid!r}, nonce={self.nonce!r}, "
+            f"created={self.created!r}, signature_params={self.signature_params!r})"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,9 +229,10 @@ def _check_params(label: str, params: _Params, mac: bytes) -> SignatureInput:
 
 
 def _b64decode(text: str) -> bytes:
+    # base64.b64decode(text, validate=True) without its Python wrapper: the same strict codec.
     try:
-        return base64.b64decode(text, validate=True)
-    except binascii.Error:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
         raise AuthError("malformed") from None
 
 
@@ -288,29 +293,40 @@ def verify_request(
         raise AuthError("missing_header")
 
     parsed = parse_signature(sig_input_field, sig_field)
-    digests = parse_content_digest(digest_field)
+    # The usual field, one sha-256 member, is matched here; anything else is parsed in full.
+    canonical_digest = _DIGEST_RE.fullmatch(digest_field)
+    if canonical_digest is not None:
+        sha256 = _b64decode(canonical_digest.group(1))
+        if len(sha256) != _DIGEST_SIZES["sha-256"]:
+            raise AuthError("malformed")
+        digests = None
+    else:
+        digests = parse_content_digest(digest_field)
     if parsed.created < now - max_age:
         raise AuthError("stale")
     if parsed.created > now + max_age:
         raise AuthError("future")
 
+    # RFC 9421 section 2.5, for exactly COVERED_COMPONENTS (what signature_base builds).
+    text = (
+        f'"@method": {method}\n"@path": {path or "/"}\n"@query": ?{query}\n'
+        f'"content-digest": {digest_field}\n"content-type": {content_type}\n'
+        f'"@signature-params": {parsed.signature_params}'
+    )
+    if "\r" in text or text.count("\n") != len(COVERED_COMPONENTS):
+        raise AuthError("malformed")
     try:
-        base = signature_base(
-            (
-                ("@method", method),
-                ("@path", path or "/"),
-                ("@query", "?" + query),
-                ("content-digest", digest_field),
-                ("content-type", content_type),
-            ),
-            parsed.signature_params,
-        )
-    except ValueError:  # a line break or non-ASCII in a covered field
+        base = text.encode("ascii")
+    except UnicodeEncodeError:
         raise AuthError("malformed") from None
     secret = secret_for(parsed.keyid)
     expected = hmac_sha256(_DUMMY_SECRET if secret is None else secret, base)
     if not hmac.compare_digest(expected, parsed.signature) or secret is None:
         raise AuthError("unknown_client" if secret is None else "bad_signature")
     # The digest field is authentic now; the body must match it.
-    check_content_digest(digests, body)
+    if digests is None:
+        if not hmac.compare_digest(sha256, hashlib.sha256(body).digest()):
+            raise AuthError("bad_digest")
+    else:
+        check_content_digest(digests, body)
     return parsed
