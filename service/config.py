@@ -18,28 +18,36 @@ from service.pool.base import ExecutorKind
 # a batch in the thread pool.
 Placement = Literal["inline", "thread", "process", "mixed"]
 
-# Measured defaults (docs/EXECUTORS.md): AEAD, ECDSA and Ed25519 cost microseconds, less than
-# a hand-off to a thread (13-28 us), so they run on the event loop. An RSA-2048 or SM2 item
-# costs 0.25-0.5 ms: on the loop it saves the hand-off and the GIL contention (~200 us of CPU
-# per request, +25-35 % throughput with one server worker per core), while its batches go to
-# a thread so the loop never stalls for a whole batch. RSA-3072/4096 items (1-2.5 ms) always
-# run in the thread pool. HMAC costs microseconds (inline); P-384 and P-521 cost what RSA-2048
-# and RSA-3072 cost (timed here with pyca/cryptography, one thread, on a loaded machine).
+# Measured defaults (docs/EXECUTORS.md): AEAD, ECDSA-P256, Ed25519 and HMAC cost microseconds,
+# less than a hand-off to a thread (13-28 us), so they run on the event loop. An RSA-2048, SM2
+# or P-384 item costs 0.25-0.5 ms: on the loop ("mixed") it saves the hand-off and is the
+# fastest for that traffic alone, but every cheap request behind it waits (mixed traffic: AES
+# at ~5x its P99 alone), so it goes to the thread pool, whose results come back within
+# CRYPTD_GIL_SWITCH_INTERVAL (0.5 ms) instead of Python's 5 ms. RSA-3072/4096 and P-521 items
+# (1-2.5 ms) run in the thread pool too.
 DEFAULT_EXECUTORS: dict[str, Placement] = {
     "aes256-gcm": "inline",
     "sm4-gcm": "inline",
-    "rsa-2048": "mixed",
+    "rsa-2048": "thread",
     "rsa-3072": "thread",
     "rsa-4096": "thread",
     "ecdsa-p256": "inline",
     "ed25519": "inline",
-    "sm2": "mixed",
+    "sm2": "thread",
     "hmac-sha256": "inline",
     "hmac-sha512": "inline",
     "hmac-sm3": "inline",
-    "ecdsa-p384": "mixed",  # sign 0.44 ms, verify 0.55 ms (RSA-2048's range)
+    "ecdsa-p384": "thread",  # sign 0.44 ms, verify 0.55 ms (RSA-2048's range)
     "ecdsa-p521": "thread",  # verify 1.1 ms (RSA-3072's range)
 }
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity: taskset, cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class Settings(BaseSettings):
@@ -75,6 +83,10 @@ class Settings(BaseSettings):
     # Event-loop lag beyond which crypto requests get 503 at once (service/pool/lag.py).
     max_loop_lag: float = Field(default=0.25, gt=0)
     pool_chunk_size: int = Field(default=64, ge=1)
+    # How long a thread waiting for the GIL lets the holder run first (sys.setswitchinterval).
+    # A crypto thread that finishes a signature waits up to this long for the busy event loop
+    # to hand the GIL back (Python's default: 5 ms; docs/EXECUTORS.md, mixed traffic).
+    gil_switch_interval: float = Field(default=0.0005, gt=0, le=0.1)
     executors: dict[str, Placement] = Field(default_factory=lambda: dict(DEFAULT_EXECUTORS))
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -107,7 +119,7 @@ class Settings(BaseSettings):
     def _size_pool(self) -> Settings:
         # Crypto threads across all server workers = cores: more only adds contention.
         if self.pool_workers == 0:
-            self.pool_workers = max(1, (os.cpu_count() or 1) // self.workers)
+            self.pool_workers = max(1, available_cpus() // self.workers)
         return self
 
     @model_validator(mode="after")

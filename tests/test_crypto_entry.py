@@ -229,3 +229,28 @@ def test_fresh_request_ids_are_unique_in_a_process_and_across_forks() -> None:
     os.close(read)
     os.close(write)
     assert child[:16] != request_id_of(b"")[:16]
+
+
+async def test_the_app_shortens_the_gil_switch_interval(
+    entry: tuple[Any, Any, dict[str, Any]],
+) -> None:
+    import sys
+
+    from service.config import Settings
+
+    # A crypto thread's result waits at most this long for the busy event loop.
+    assert sys.getswitchinterval() == pytest.approx(Settings().gil_switch_interval)
+    assert Settings().gil_switch_interval == pytest.approx(0.0005)
+
+
+def test_pool_threads_follow_the_cpus_the_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service import config
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3})
+    assert config.available_cpus() == 1
+    monkeypatch.setenv("CRYPTD_ENV", "development")
+    assert config.Settings(workers=1).pool_workers == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert config.Settings(workers=2).pool_workers == 2
