@@ -31,8 +31,10 @@ from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.engine import Observer
-from service.keys.manager import KeyManager
+from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
+from service.keys.store import open_store
+from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
 from service.metrics import Metrics
 from service.metrics.middleware import TimingMiddleware
@@ -67,6 +69,7 @@ def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[
                     master_key,
                     settings.key_activation_delay,
                     worker_observer,
+                    settings.keystore_url_value(),
                 )
                 if process
                 else ()
@@ -96,13 +99,16 @@ def create_app(
     metrics = Metrics(enabled=settings.metrics)
     master_key = settings.load_master_key()
     manager = KeyManager(
-        settings.keyring_file,
+        open_store(settings.keystore_url_value(), settings.keyring_file),
         MasterKey(master_key),
         read_only=settings.keyring_read_only,
         activation_delay=settings.key_activation_delay,
         on_reload=metrics.keyring_reload,
+        expected_deployment=settings.keystore_id,
+        min_auto_rotate_period=1 if settings.env == "development" else MIN_AUTO_ROTATE_PERIOD,
     )
     manager.load()
+    watcher = KeyringWatcher(manager, interval=settings.keyring_reload_interval)
 
     by_kind = _executors(settings, master_key, metrics)
     runner = CryptoRunner(
@@ -112,6 +118,7 @@ def create_app(
         chunk_size=settings.pool_chunk_size,
         observer=metrics.observe_crypto,
         on_overload=functools.partial(metrics.rejected, "overload"),
+        watcher=watcher,
     )
     auth = build_auth(settings)
     loop_lag = LoopLag(settings.max_loop_lag)
@@ -145,10 +152,10 @@ def create_app(
                 stats.queued, stats.in_flight, executor=kind, max_pending=stats.max_pending
             )
 
-    async def check_keyring() -> None:
-        # One stat per interval; a Kubernetes Secret update arrives as a swapped symlink with
-        # no signal to the process. The reload itself runs in a thread.
-        await run_in_threadpool(manager.reload_if_changed)
+    async def rotate_due_keys() -> None:
+        # Cheap when nothing is due (a look at the snapshot); the rotation runs in a thread.
+        if manager.due_for_rotation():
+            await run_in_threadpool(manager.rotate_due)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -161,11 +168,15 @@ def create_app(
         gc.freeze()
         sys.setswitchinterval(settings.gil_switch_interval)
         loop_lag.start()
+        # The store is checked once per interval (one stat, or one small query) and, for
+        # PostgreSQL, on every notification; a Kubernetes Secret update arrives as a swapped
+        # symlink with no signal to the process.
+        watcher.start()
         tasks = [
-            asyncio.create_task(
-                _every(settings.keyring_reload_interval, "keyring watch", check_keyring)
-            ),
             asyncio.create_task(_every(1.0, "pool gauges", publish_pool_gauges)),
+            asyncio.create_task(
+                _every(settings.auto_rotate_check_interval, "automatic rotation", rotate_due_keys)
+            ),
         ]
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -180,10 +191,12 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await watcher.close()
             await loop_lag.close()
             for executor in by_kind.values():
                 await executor.close()
             await auth.aclose()
+            await run_in_threadpool(manager.store.close)
             metrics.close()
             # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
             # since a worker re-raising SIGTERM ends without running exit handlers.

@@ -61,6 +61,14 @@ class Settings(BaseSettings):
     master_key: SecretStr | None = None
     master_key_file: Path | None = None
     keyring_file: Path = Path("keyring.json")
+    # PostgreSQL key store shared by replicas (postgresql://...; libpq parameters such as
+    # sslmode pass through). Unset: the keyring file.
+    keystore_url: SecretStr | None = None
+    # The deployment id the key store must carry (`cryptd keystore show` prints it); unset:
+    # whatever the store holds at start, and never another one while running.
+    keystore_id: str | None = None
+    # Seconds between looks for keys whose automatic rotation is due.
+    auto_rotate_check_interval: float = Field(default=10.0, gt=0)
     keyring_reload_interval: float = Field(default=1.0, gt=0)
     keyring_read_only: bool = False
     # Seconds a new key version waits before encryptions and signatures use it, so that every
@@ -97,6 +105,18 @@ class Settings(BaseSettings):
     docs: bool | None = None
 
     dev_dir: Path = Path(".cryptd-dev")
+
+    @field_validator("keystore_url", mode="after")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        if not value.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("CRYPTD_KEYSTORE_URL must be a postgresql:// URL")
+        return value
+
+    def keystore_url_value(self) -> str | None:
+        return None if self.keystore_url is None else self.keystore_url.get_secret_value()
 
     @field_validator("executors", mode="after")
     @classmethod

@@ -13,8 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from service import engine, worker
 from service.engine import Item, Observer, OpName, Outcome
-from service.errors import Overloaded
+from service.errors import KeyNotFound, Overloaded
+from service.keys.keyring import Key, Keyring
 from service.keys.manager import KeyManager
+from service.keys.watch import KeyringWatcher
 from service.pool.base import Executor
 
 
@@ -28,20 +30,52 @@ class CryptoRunner:
         chunk_size: int,
         observer: Observer | None = None,
         on_overload: Callable[[], None] | None = None,
+        watcher: KeyringWatcher | None = None,
     ) -> None:
         self._keys = keys
+        self._watcher = watcher
         self._executors = executors
         self._single_inline = single_inline
         self._chunk_size = chunk_size
         self._observer = observer
         self._on_overload = on_overload
 
-    async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
+    async def key(self, name: str) -> tuple[Keyring, Key]:
+        """The snapshot and the key called ``name``; a name this worker does not know is looked
+        up in the store once before it is answered 404."""
         keyring = self._keys.keyring
-        key = keyring.key(name)
+        try:
+            return keyring, keyring.key(name)
+        except KeyNotFound:
+            if self._watcher is None:
+                raise
+        await self._watcher.after_miss(self._watcher.now())
+        keyring = self._keys.keyring
+        return keyring, keyring.key(name)
+
+    async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
+        keyring, key = await self.key(name)
         engine.check_operation(key, op)
         if not items:
             return []
+        results = await self._dispatch(keyring, key, op, name, items)
+        if self._watcher is None or not any(isinstance(r, KeyNotFound) for r in results):
+            return results
+        # A version (or a rewrap target) this snapshot lacks: look in the store once, and run
+        # those items again if it brought a newer keyring.
+        await self._watcher.after_miss(self._watcher.now())
+        fresh = self._keys.keyring
+        if fresh.digest == keyring.digest or name not in fresh:
+            return results
+        missed = [i for i, r in enumerate(results) if isinstance(r, KeyNotFound)]
+        again = await self._dispatch(fresh, fresh[name], op, name, [items[i] for i in missed])
+        for index, outcome in zip(missed, again, strict=True):
+            results[index] = outcome
+        return results
+
+    async def _dispatch(
+        self, keyring: Keyring, key: Key, op: OpName, name: str, items: Sequence[Item]
+    ) -> list[Outcome]:
         executor = self._executors[key.type.name]
         if len(items) == 1 and (executor.kind == "inline" or key.type.name in self._single_inline):
             return engine.run_items(keyring, key, op, items, self._observer)
@@ -56,7 +90,7 @@ class CryptoRunner:
             return results
         if executor.kind == "process":
             tasks = [
-                executor.run(worker.run_chunk, keyring.generation, op, name, chunk)
+                executor.run(worker.run_chunk, keyring.digest, op, name, chunk)
                 for chunk in chunks
             ]
         else:

@@ -1,7 +1,8 @@
-"""State of a pool worker process: it loads and unwraps the keyring itself, once.
+"""State of a pool worker process: it opens the key store and unwraps the keyring itself.
 
-Key objects never cross the process boundary: tasks name a key and carry the keyring generation
-the server saw, and a worker whose snapshot is older reloads from the file before running.
+Key objects never cross the process boundary: tasks name a key and carry the digest of the
+keyring the server worker used, and a pool process whose snapshot differs reads the store
+(the same file, or its own database connection) before running.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from service import engine
 from service.engine import Item, Observer, OpName, Outcome
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
+from service.keys.store import open_store
 
 
 class _WorkerState:
@@ -29,11 +31,13 @@ def init_worker(
     master_key: bytes,
     activation_delay: float = 0.0,
     observer: Observer | None = None,
+    keystore_url: str | None = None,
 ) -> None:
-    """Pool initializer: load the keyring and cache every parsed key for this process."""
+    """Pool initializer: load the keyring and cache every parsed key for this process. The
+    arguments reach the process through a pipe, never argv or the environment."""
     global _state
     manager = KeyManager(
-        Path(keyring_path),
+        open_store(keystore_url, Path(keyring_path)),
         MasterKey(master_key),
         read_only=True,
         activation_delay=activation_delay,
@@ -42,16 +46,16 @@ def init_worker(
     _state = _WorkerState(manager, observer)
 
 
-def run_chunk(generation: str, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
+def run_chunk(digest: str, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
     if _state is None:
         raise RuntimeError("worker not initialised")
     manager = _state.manager
-    if manager.keyring.generation != generation:
-        manager.reload_if_changed()
+    if manager.keyring.digest != digest:
+        manager.refresh(force=True)
     return engine.run_batch(manager.keyring, op, name, items, _state.observer)
 
 
 def reload_keyring() -> None:
-    """Broadcast target: pick up a changed keyring file now."""
+    """Broadcast target: pick up a changed keyring now."""
     if _state is not None:
-        _state.manager.reload_if_changed()
+        _state.manager.refresh()

@@ -183,3 +183,21 @@ def pg_database() -> Iterator[str]:
             yield f"postgresql://postgres@127.0.0.1:5432/{name}"
         finally:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The real PostgreSQL (trust auth, database ``test``); skipped where none runs, but a
+    failure under CI. Tests never change this server: they make databases of their own."""
+    import psycopg
+
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=2).close()
+    except psycopg.Error as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL at {POSTGRES_URL} is required under CI: {exc}")
+        pytest.skip(f"PostgreSQL at {POSTGRES_URL} is not reachable: {exc}")
+    return POSTGRES_URL

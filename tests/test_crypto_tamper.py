@@ -26,10 +26,11 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from service import engine
 from service.crypto.registry import KEY_TYPES, KEY_TYPES_BY_ID
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
+from service.keys.document import KeyringDocument, canonical
 from service.keys.keyring import Keyring
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
-from service.keys.store import KeyringDocument, KeyringFile, KeyringFileError
+from service.keys.store import KeystoreError
 
 AEAD_TYPES = ("aes256-gcm", "sm4-gcm")
 HYBRID_TYPES = ("rsa-2048", "rsa-3072")
@@ -68,6 +69,10 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Ring:
 
 
 # Helpers --------------------------------------------------------------------------------------
+
+
+def load_file(path: Path, master: MasterKey) -> Keyring:
+    return KeyManager(path, master).load()
 
 
 def run(ring: Ring, op: engine.OpName, name: str, *items: engine.Item) -> list[engine.Outcome]:
@@ -430,7 +435,7 @@ def unwrapped(ring: Ring, document: KeyringDocument) -> Iterable[tuple[str, int,
 def test_keyring_file_holds_no_plaintext_material(ring: Ring) -> None:
     raw = ring.path.read_bytes()
     assert stat.S_IMODE(ring.path.stat().st_mode) == 0o600
-    document = KeyringDocument.from_bytes(raw)
+    document = KeyringDocument.parse(json.loads(raw))
     checked = 0
     for name, version, material in unwrapped(ring, document):
         assert KEY_TYPES[document.keys[name].type].load(material) is not None
@@ -452,17 +457,15 @@ def test_keyring_file_holds_no_plaintext_material(ring: Ring) -> None:
 def test_keyring_refuses_a_wrong_master_key(ring: Ring, tmp_path: Path) -> None:
     other = MasterKey(secrets.token_bytes(32))
     assert other.key_id != ring.master.key_id
-    with pytest.raises(KeyringFileError):
-        KeyringFile(ring.path).load(other)
-    with pytest.raises(KeyringFileError):
-        KeyManager(ring.path, other).load()
+    with pytest.raises(KeystoreError):
+        load_file(ring.path, other)
     # Same claimed key id, wrong key: the first blob does not unwrap.
     data = json.loads(ring.path.read_bytes())
     data["master_key_id"] = other.key_id
     forged = tmp_path / "forged.json"
     forged.write_bytes(json.dumps(data).encode())
-    with pytest.raises(KeyringFileError):
-        KeyringFile(forged).load(other)
+    with pytest.raises(KeystoreError):
+        load_file(forged, other)
 
 
 def edited_copy(
@@ -473,8 +476,7 @@ def edited_copy(
     data: Json = json.loads(ring.path.read_bytes())
     edit(data)
     if remac:
-        document = KeyringDocument.from_bytes(json.dumps(data).encode())
-        data["mac"] = base64.b64encode(ring.master.mac(document.canonical())).decode()
+        data["mac"] = base64.b64encode(ring.master.mac(canonical(data))).decode()
     path = tmp_path / f"{label}.json"
     path.write_text(json.dumps(data))
     return path
@@ -485,7 +487,7 @@ def test_material_is_bound_to_its_key_version_and_type(ring: Ring, tmp_path: Pat
     ring.manager.rotate("bind-aes")
     pristine = tmp_path / "pristine.json"
     shutil.copy(ring.path, pristine)
-    assert "bind-aes" in KeyringFile(pristine).load(ring.master)
+    assert "bind-aes" in load_file(pristine, ring.master)
 
     def blob(data: Json, key: str, index: int) -> str:
         value: str = data["keys"][key]["versions"][index]["material"]
@@ -516,8 +518,8 @@ def test_material_is_bound_to_its_key_version_and_type(ring: Ring, tmp_path: Pat
     for edit in (move_between_keys, swap_versions, relabel_type, rename_key, flip_blob):
         for remac in (False, True):  # refused by the document MAC, and by the wrapping alone
             path = edited_copy(ring, tmp_path, edit.__name__, edit, remac=remac)
-            with pytest.raises(KeyringFileError):
-                KeyringFile(path).load(ring.master)
+            with pytest.raises(KeystoreError):
+                load_file(path, ring.master)
 
 
 def test_metadata_is_authenticated(ring: Ring, tmp_path: Path) -> None:
@@ -540,11 +542,11 @@ def test_metadata_is_authenticated(ring: Ring, tmp_path: Path) -> None:
 
     for edit in (lower_min_version, undo_rotation, allow_deletion, drop_mac):
         path = edited_copy(ring, tmp_path, edit.__name__, edit)
-        with pytest.raises(KeyringFileError):
-            KeyringFile(path).load(ring.master)
+        with pytest.raises(KeystoreError):
+            load_file(path, ring.master)
     # the same edits with a MAC recomputed under the master key load: the MAC is what refused
     path = edited_copy(ring, tmp_path, "remac", lower_min_version, remac=True)
-    assert KeyringFile(path).load(ring.master)["meta-aes"].min_decryption_version == 1
+    assert load_file(path, ring.master)["meta-aes"].min_decryption_version == 1
 
 
 def test_failed_reload_keeps_the_previous_keyring(ring: Ring, tmp_path: Path) -> None:

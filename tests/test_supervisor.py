@@ -130,16 +130,20 @@ def test_sighup_reaches_every_worker(tmp_path: Path) -> None:
         master = MasterKey(base64.b64decode((dev / "master.key").read_bytes()))
         writer = KeyManager(dev / "keyring.json", master)
         writer.load()
-        writer.create("after-hup", "aes256-gcm")
+        # A rotation made outside the service: every worker knows the key, so nothing makes
+        # it look in the store (an unknown key would), and encryptions stay on version 1.
+        writer.rotate("aes256-gcm")
+        body = {"plaintext": "aGk="}
         for _ in range(6):  # fresh connections, either worker: not reloaded yet
-            assert server.request("GET", "/v1/keys/after-hup").status_code == 404
+            response = server.request("POST", "/v1/encrypt/aes256-gcm", body)
+            assert response.json()["key_version"] == 1
         os.kill(server.process.pid, signal.SIGHUP)
         deadline = time.monotonic() + 15
         seen = 0
-        while seen < 20:  # 20 fresh connections in a row find the key
+        while seen < 20:  # 20 fresh connections in a row encrypt under version 2
             assert time.monotonic() < deadline, "a worker did not reload"
-            ok = server.request("GET", "/v1/keys/after-hup").status_code == 200
-            seen = seen + 1 if ok else 0
+            response = server.request("POST", "/v1/encrypt/aes256-gcm", body)
+            seen = seen + 1 if response.json()["key_version"] == 2 else 0
             time.sleep(0.05)
         assert server.process.poll() is None  # the supervisor itself carries on
     finally:

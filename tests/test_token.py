@@ -31,7 +31,6 @@ from service.errors import DecryptionFailed, InvalidRequest
 from service.keys import token
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
-from service.keys.store import KeyringFile
 
 ROOT = Path(__file__).parent.parent
 DOC = (ROOT / "docs" / "FORMAT.md").read_text()
@@ -346,15 +345,24 @@ def test_keyring_written_by_the_service_follows_the_document(tmp_path: Path) -> 
     manager.rotate("k.1")
     manager.create("e", "ed25519")
     data = json.loads(path.read_bytes())
-    assert data["format"] == "cryptd-keyring/1"
+    assert data["format"] == "cryptd-keyring/2"
     assert data["master_key_id"] == master.key_id
+    assert re.fullmatch(r"[0-9a-f]{16}", data["deployment_id"])
+    assert data["generation"] == 4  # created empty, then three changes
     assert set(data["keys"]) == {"k.1", "e"}
+    # The document MAC, recomputed as docs/FORMAT.md says.
+    mac_key = hmac.new(key, b"cryptd keyring mac", hashlib.sha256).digest()
+    content = {k: v for k, v in data.items() if k != "mac"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    expected = hmac.new(mac_key, canonical, hashlib.sha256).digest()
+    assert base64.b64decode(data["mac"]) == expected
     for name, record in data["keys"].items():
         assert set(record) == {
             "type",
             "created_at",
             "min_decryption_version",
             "deletion_allowed",
+            "auto_rotate_period",
             "versions",
         }
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", record["created_at"])
@@ -367,4 +375,4 @@ def test_keyring_written_by_the_service_follows_the_document(tmp_path: Path) -> 
             material = AESGCM(key).decrypt(blob[:12], blob[12:], context)
             assert len(material) == {"sm4-gcm": 16, "ed25519": 32}[record["type"]]
             assert KEY_TYPES[record["type"]].load(material) is not None
-    assert KeyringFile(path).load(master).key("k.1").latest_version == 2
+    assert KeyManager(path, master).load().key("k.1").latest_version == 2

@@ -190,6 +190,7 @@ class CreateKeyRequest(_Body):
     deletion_allowed: bool = False
     derived: bool = False
     convergent: bool = False
+    auto_rotate_period: int = Field(default=0, ge=0)
 
 
 def _some_change(schema: dict[str, Any]) -> None:
@@ -201,6 +202,7 @@ class UpdateKeyRequest(_Body):
     model_config = ConfigDict(json_schema_extra=_some_change)
     min_decryption_version: VersionNumber | None = None
     deletion_allowed: bool | None = None
+    auto_rotate_period: int | None = Field(default=None, ge=0)
 
 
 def parse_update(body: bytes) -> UpdateKeyRequest:

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from service.crypto.base import CryptoError
 from service.errors import CryptdError
-from service.keys.store import KeyringFileError
+from service.keys.store import KeystoreError
 
 # Modules that add subcommands; each defines register(subparsers) and sets ``func`` on its parser.
-_COMMAND_MODULES = ("serve", "keys", "master_key", "clients", "call", "bench", "migrate")
+_COMMAND_MODULES = ("serve", "keys", "keystore", "master_key", "clients", "call", "bench", "migrate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (CryptdError, CryptoError, KeyringFileError) as exc:
+    except (CryptdError, CryptoError, KeystoreError) as exc:
         print(f"cryptd: error: {exc}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as exc:

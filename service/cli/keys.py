@@ -1,4 +1,5 @@
-"""``cryptd keys create|rotate|list|show|set-min-version``: manage the keyring file directly."""
+"""``cryptd keys create|rotate|update|list|show|set-min-version``: manage keys directly in the
+key store (the keyring file, or PostgreSQL with ``--keystore-url``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import orjson
 
 from service.config import decode_master_key
 from service.crypto.registry import KEY_TYPES
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import initialise
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
+from service.keys.store import KeyStore, open_store
 
 
 def master_key_from_env(path: str | None = None) -> MasterKey:
@@ -27,13 +30,21 @@ def master_key_from_env(path: str | None = None) -> MasterKey:
     raise ValueError("set CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE, or pass --master-key-file")
 
 
-def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
+def store_from_args(args: argparse.Namespace) -> KeyStore:
+    """--keystore-url (or $CRYPTD_KEYSTORE_URL) selects PostgreSQL; else --keyring (or
+    $CRYPTD_KEYRING_FILE, default keyring.json)."""
+    url = args.keystore_url or os.environ.get("CRYPTD_KEYSTORE_URL") or None
     path = Path(args.keyring or os.environ.get("CRYPTD_KEYRING_FILE", "keyring.json"))
+    return open_store(url, path)
+
+
+def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
+    store = store_from_args(args)
     master = master_key_from_env(args.master_key_file)
-    if create and not path.exists():
-        create_keyring_file(path, master)
-        print(f"created empty keyring {path}", file=sys.stderr)
-    manager = KeyManager(path, master)
+    if create and store.backend == "file" and store.read() is None:
+        initialise(store, master)
+        print(f"created empty keyring {store.description}", file=sys.stderr)
+    manager = KeyManager(store, master, min_auto_rotate_period=1)
     manager.load()
     return manager
 
@@ -75,6 +86,7 @@ def create(args: argparse.Namespace) -> int:
         material=_material(args, args.type),
         derived=args.derived,
         convergent=args.convergent,
+        auto_rotate_period=args.auto_rotate_period,
     )
     _print(key.metadata())
     return 0
@@ -84,6 +96,17 @@ def rotate(args: argparse.Namespace) -> int:
     manager = _manager(args)
     type_name = manager.keyring.key(args.name).type.name
     _print(manager.rotate(args.name, material=_material(args, type_name)).metadata())
+    return 0
+
+
+def update(args: argparse.Namespace) -> int:
+    key = _manager(args).update(
+        args.name,
+        min_decryption_version=args.min_decryption_version,
+        deletion_allowed=args.deletion_allowed,
+        auto_rotate_period=args.auto_rotate_period,
+    )
+    _print(key.metadata())
     return 0
 
 
@@ -103,11 +126,19 @@ def set_min_version(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("keys", help="manage the keyring file")
+def store_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
+    common.add_argument(
+        "--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)"
+    )
     common.add_argument("--master-key-file", help="file holding the base64 master key")
+    return common
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("keys", help="manage keys in the key store")
+    common = store_options()
     actions = parser.add_subparsers(dest="action", required=True)
 
     p = actions.add_parser("create", parents=[common], help="create a key (version 1)")
@@ -127,6 +158,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="deterministic encryption (with --derived; what it reveals: docs/FORMAT.md)",
     )
+    p.add_argument("--auto-rotate-period", type=int, default=0, help="seconds (0: off)")
     p.set_defaults(func=create)
 
     p = actions.add_parser("rotate", parents=[common], help="add a new version")
@@ -135,6 +167,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--import", dest="import_file", metavar="FILE", help="new version's material (as create)"
     )
     p.set_defaults(func=rotate)
+
+    p = actions.add_parser("update", parents=[common], help="change a key's settings")
+    p.add_argument("name")
+    p.add_argument("--min-decryption-version", type=int)
+    p.add_argument("--deletion-allowed", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--auto-rotate-period", type=int, help="seconds (0: off)")
+    p.set_defaults(func=update)
 
     p = actions.add_parser("list", parents=[common], help="list keys")
     p.set_defaults(func=list_keys)

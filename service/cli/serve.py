@@ -19,12 +19,14 @@ import orjson
 
 from service.auth.clients import generate_secret, write_document
 from service.cli.supervisor import Supervisor
-from service.config import Settings
+from service.config import Settings, decode_master_key
 from service.crypto.registry import KEY_TYPES
 from service.edge.protocol import EdgeProtocol
 from service.fileio import atomic_write
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import TargetNotEmpty, initialise, prepare
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
+from service.keys.store import KeyStore, open_store
 from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
 
@@ -43,14 +45,7 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
     created = not master_path.exists()
     if created:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        key = secrets.token_bytes(32)
-        atomic_write(master_path, base64.b64encode(key) + b"\n")
-        master = MasterKey(key)
-        create_keyring_file(keyring_path, master)
-        manager = KeyManager(keyring_path, master)
-        manager.load()
-        for type_name in KEY_TYPES:
-            manager.create(type_name, type_name, deletion_allowed=True)
+        atomic_write(master_path, base64.b64encode(secrets.token_bytes(32)) + b"\n")
         secret = generate_secret()
         clients = {
             "clients": {
@@ -64,6 +59,16 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
         write_document(clients_path, clients)
     else:
         secret = orjson.loads(clients_path.read_bytes())["clients"][DEV_CLIENT_ID]["secret"]
+    # The keyring: the file in the directory, or the PostgreSQL store CRYPTD_KEYSTORE_URL
+    # names (its schema created here, in development only). A new one gets a key of each type.
+    master = MasterKey(decode_master_key(master_path.read_text(), str(master_path)))
+    store = open_store(os.environ.get("CRYPTD_KEYSTORE_URL") or None, keyring_path)
+    try:
+        prepare(store)
+        if store.read() is None:
+            _dev_keyring(store, master)
+    finally:
+        store.close()
     credential = {"url": url, "client_id": DEV_CLIENT_ID, "secret": secret}
     atomic_write(credential_path, orjson.dumps(credential, option=orjson.OPT_INDENT_2))
     os.environ.update(
@@ -88,6 +93,17 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
             f"cryptd: using development state in {directory}/ ({credential_path})", file=sys.stderr
         )
     return created
+
+
+def _dev_keyring(store: KeyStore, master: MasterKey) -> None:
+    try:
+        initialise(store, master)
+    except TargetNotEmpty:  # another server being started made it meanwhile
+        return
+    manager = KeyManager(store, master)
+    manager.load()
+    for type_name in KEY_TYPES:
+        manager.create(type_name, type_name, deletion_allowed=True)
 
 
 def _prepare_metrics_dir(settings: Settings) -> None:

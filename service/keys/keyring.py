@@ -20,6 +20,27 @@ from service.errors import InvalidRequest, KeyNotFound
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")
 
 
+def parse_time(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time as keyrings store it (``...Z``)."""
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+# Keys the service keeps for itself (an import wrapping key): stored and authenticated like any
+# other, under names no client can give (':' is outside the user pattern), never listed and
+# never reachable by a route that takes a key name.
+INTERNAL_PREFIX = "cryptd:"
+
+
+def is_internal(name: str) -> bool:
+    return name.startswith(INTERNAL_PREFIX)
+
+
+def check_stored_name(name: str) -> str:
+    """A name a stored keyring may hold: a user key name, or an internal one."""
+    check_key_name(name[len(INTERNAL_PREFIX) :] if is_internal(name) else name)
+    return name
+
+
 def check_key_name(name: str) -> str:
     if not _NAME.match(name) or name in (".", ".."):
         raise InvalidRequest("key name must match [A-Za-z0-9_.-]{1,128} and not be '.' or '..'")
@@ -60,12 +81,13 @@ class KeyVersion:
     version: int
     created_at: str
     handle: KeyHandle = field(repr=False)
+    # The blob as stored (wrapped under the master key, not secret): a reload that finds the
+    # same blob at the same place keeps this parsed handle instead of unwrapping again.
+    wrapped: bytes = field(default=b"", repr=False, compare=False)
 
     @property
     def created_ts(self) -> float:
-        return (
-            datetime.strptime(self.created_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-        )
+        return parse_time(self.created_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +101,7 @@ class Key:
     activation_delay: float = 0.0
     derived: bool = False  # every operation takes a context (a key per context, HKDF)
     convergent: bool = False  # derived encryption with a deterministic nonce
+    auto_rotate_period: int = 0
 
     def active_version(self, now: float | None = None) -> int:
         """The version new encryptions and signatures use: the newest one older than the
@@ -123,7 +146,14 @@ class Key:
             "deletion_allowed": self.deletion_allowed,
             "derived": self.derived,
             "convergent": self.convergent,
+            "auto_rotate_period": self.auto_rotate_period,
         }
+
+    def rotation_due(self, now: float) -> bool:
+        """Automatic rotation: the newest version is older than ``auto_rotate_period``."""
+        if self.auto_rotate_period <= 0:
+            return False
+        return now >= self.versions[self.latest_version].created_ts + self.auto_rotate_period
 
     def describe(self) -> dict[str, object]:
         """Metadata with every version's public key (never private or secret material)."""
@@ -145,13 +175,25 @@ class Key:
 
 
 class Keyring(Mapping[str, Key]):
-    """Immutable snapshot of every key, identified by ``generation`` (a digest of the file)."""
+    """Immutable snapshot of every key. ``generation`` rises by one with every change of the
+    stored keyring; ``digest`` identifies the content; ``deployment_id`` the key store it came
+    from (None for a keyring file written before deployment ids existed)."""
 
-    __slots__ = ("_keys", "generation")
+    __slots__ = ("_keys", "deployment_id", "digest", "generation", "internal")
 
-    def __init__(self, keys: Mapping[str, Key], generation: str) -> None:
-        self._keys = MappingProxyType(dict(keys))
+    def __init__(
+        self,
+        keys: Mapping[str, Key],
+        *,
+        generation: int,
+        digest: str,
+        deployment_id: str | None = None,
+    ) -> None:
+        self._keys = MappingProxyType({n: k for n, k in keys.items() if not is_internal(n)})
+        self.internal = MappingProxyType({n: k for n, k in keys.items() if is_internal(n)})
         self.generation = generation
+        self.digest = digest
+        self.deployment_id = deployment_id
 
     def __getitem__(self, name: str) -> Key:
         return self._keys[name]

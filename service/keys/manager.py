@@ -1,54 +1,112 @@
-"""Owns the current keyring snapshot: loading, hot reload and key management.
+"""Owns the current keyring snapshot: loading, refreshing from the store, key management.
 
-Readers take ``manager.keyring`` (an immutable snapshot) and never lock. Mutations lock the file,
-read it fresh (another process may have written it), change it, write it atomically and swap
-in the new snapshot. A reload that fails keeps the previous snapshot and records the error.
+Readers take ``manager.keyring`` (an immutable snapshot) and never lock. A change runs as one
+store transaction: read the stored document under the store's lock, verify it fully (a store
+that fails verification is never written: its MAC would launder the damage), apply the change
+one generation up, build and check the new keyring, and only then commit; the new snapshot is
+served by this process the moment the commit returns. Any failure leaves the store and the
+snapshot as they were. A refresh that fails keeps the previous snapshot and records why.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 from service.crypto.registry import KEY_TYPES
 from service.errors import Conflict, InvalidRequest, KeyNotFound, KeystoreUnavailable
-from service.fileio import FileStamp, atomic_write, file_stamp
-from service.keys.keyring import Key, Keyring, check_key_flags, check_key_name
-from service.keys.masterkey import MasterKey, WrongMasterKey
-from service.keys.store import (
+from service.keys.document import (
     KeyRecord,
     KeyringDocument,
-    KeyringFile,
-    KeyringFileError,
+    MalformedDocument,
     VersionRecord,
-    generation_of,
     utc_now,
+)
+from service.keys.filestore import FileKeyStore
+from service.keys.integrity import (
+    Verified,
+    build_keyring,
+    check_succession,
+    next_document,
+    open_document,
+    seal,
+)
+from service.keys.keyring import (
+    INTERNAL_PREFIX,
+    Key,
+    Keyring,
+    check_key_flags,
+    check_key_name,
+    check_stored_name,
+    is_internal,
+    parse_time,
+)
+from service.keys.masterkey import MasterKey
+from service.keys.store import (
+    IntegrityError,
+    KeyStore,
+    KeystoreError,
+    NotInitialised,
+    StoreUnavailable,
 )
 
 log = logging.getLogger("cryptd.keyring")
+R = TypeVar("R")
+_UNSET = object()
+
+# Vault Transit's floor for automatic rotation; development servers accept any period.
+MIN_AUTO_ROTATE_PERIOD = 3600
+MAX_AUTO_ROTATE_PERIOD = 10 * 366 * 86400
+# The periodic check compares a stamp (a stat, the header row); this often it reads and
+# verifies the whole store anyway, so rows changed behind the service's back show in /readyz.
+FULL_CHECK_INTERVAL = 60.0
+
+
+@dataclass(frozen=True)
+class KeyExport:
+    """A key with its material in the clear, as :meth:`KeyManager.export_key` gives it:
+    ``metadata`` as the key record stores it (without versions), ``versions`` as
+    (number, created_at, material). Never printed, never pickled."""
+
+    name: str
+    metadata: Mapping[str, Any]
+    versions: tuple[tuple[int, str, bytes], ...] = field(repr=False)
+
+    def __getstate__(self) -> NoReturn:
+        raise TypeError("exported key material cannot be pickled")
 
 
 class KeyManager:
     def __init__(
         self,
-        path: Path,
+        store: KeyStore | Path,
         master: MasterKey,
         *,
         read_only: bool = False,
         activation_delay: float = 0.0,
         on_reload: Callable[[bool], None] | None = None,
+        expected_deployment: str | None = None,
+        min_auto_rotate_period: int = MIN_AUTO_ROTATE_PERIOD,
     ) -> None:
-        self.file = KeyringFile(path)
+        self.store: KeyStore = FileKeyStore(store) if isinstance(store, Path) else store
         self._master = master
         self._read_only = read_only
         self._activation_delay = activation_delay
         self._on_reload = on_reload
-        self._lock = threading.Lock()  # one mutation or reload at a time in this process
-        self._stamp: FileStamp | None = None
+        self._expected_deployment = expected_deployment
+        self._min_auto_rotate_period = min_auto_rotate_period
+        self._lock = threading.Lock()  # one change or refresh at a time in this process
+        self._stamp: object = _UNSET
+        self._verified_at = float("-inf")  # monotonic time of the last full read
         self._keyring: Keyring | None = None
-        self.last_reload_error: str | None = None
+        self._document: KeyringDocument | None = None  # what the snapshot was built from
+        self.last_reload_error: str | None = None  # why the store's content was refused
+        self.store_unreachable: str | None = None  # why the store could not be read
 
     @property
     def keyring(self) -> Keyring:
@@ -56,107 +114,163 @@ class KeyManager:
             raise RuntimeError("keyring not loaded")
         return self._keyring
 
+    @property
+    def store_error(self) -> str | None:
+        return self.store_unreachable or self.last_reload_error
+
+    # Loading ------------------------------------------------------------------------------
+
     def load(self) -> Keyring:
-        """Initial load; raises KeyringFileError so startup fails loudly."""
+        """Initial load; raises KeystoreError so that startup fails loudly."""
         with self._lock:
-            self._stamp = file_stamp(self.file.path)
-            self._keyring = self.file.load(self._master, self._activation_delay)
+            stamp = self.store.stamp()
+            raw = self.store.read()
+            if raw is None:
+                raise NotInitialised(
+                    f"no keyring in {self.store.description} (create one with "
+                    "`cryptd keystore init`)"
+                )
+            verified = open_document(raw, self._master)
+            check_succession(None, verified, self._expected_deployment)
+            self._keyring = build_keyring(verified, self._master, None, self._activation_delay)
+            self._document = verified.document
+            self._stamp = stamp
+            self._verified_at = time.monotonic()
             return self._keyring
 
-    def reload(self) -> bool:
-        """Reload from the file, keeping the previous snapshot if the new file is bad."""
+    def refresh(self, *, force: bool = False) -> bool:
+        """Load the stored keyring if it changed (always with ``force``), keeping the previous
+        snapshot when the store is unreachable or its content is refused. Never raises.
+        Returns True when a new snapshot is served."""
         with self._lock:
-            self._stamp = file_stamp(self.file.path)
             try:
-                document, generation = self.file.read()
-                if self._keyring is not None and generation == self._keyring.generation:
-                    self.last_reload_error = None
-                    return True
-                keyring = document.build(self._master, generation, self._activation_delay)
-            except Exception as exc:
-                reason = str(exc) if isinstance(exc, KeyringFileError) else type(exc).__name__
-                self.last_reload_error = reason
-                log.error(
-                    "keyring reload failed; keeping the previous keyring",
-                    extra={"reason": reason},
+                stamp = self.store.stamp()
+                due = time.monotonic() - self._verified_at > FULL_CHECK_INTERVAL
+                if not force and not due and stamp == self._stamp:
+                    self.store_unreachable = None
+                    return False
+                raw = self.store.read()
+                self._verified_at = time.monotonic()
+                self.store_unreachable = None
+                if raw is None:
+                    raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                verified = open_document(raw, self._master)
+                if self._keyring is not None and verified.digest == self._keyring.digest:
+                    self._stamp = stamp
+                    self._reload_outcome(None)
+                    return False
+                check_succession(self._keyring, verified, self._expected_deployment)
+                keyring = build_keyring(
+                    verified, self._master, self._keyring, self._activation_delay
                 )
-                if self._on_reload:
-                    self._on_reload(False)
+            except StoreUnavailable as exc:
+                if self.store_unreachable != str(exc):
+                    log.error(
+                        "key store unreachable; serving the keyring in memory",
+                        extra={"reason": str(exc)},
+                    )
+                self.store_unreachable = str(exc)
+                return False
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, KeystoreError) else type(exc).__name__
+                self._reload_outcome(reason)
                 return False
             self._keyring = keyring
-            self.last_reload_error = None
+            self._document = verified.document
+            self._stamp = stamp
+            self._reload_outcome(None)
             log.info(
-                "keyring reloaded",
+                "keyring loaded",
                 extra={"generation": keyring.generation, "keys": len(keyring)},
             )
-            if self._on_reload:
-                self._on_reload(True)
             return True
 
+    def reload(self) -> bool:
+        """Read the store now (SIGHUP). True when the stored keyring is the one served."""
+        self.refresh(force=True)
+        return self.store_error is None
+
     def reload_if_changed(self) -> bool:
-        """Cheap check for the file watcher: one stat call when nothing changed."""
-        if file_stamp(self.file.path) == self._stamp:
-            return False
-        self.reload()
-        return True
+        return self.refresh()
+
+    def _reload_outcome(self, error: str | None) -> None:
+        changed = error != self.last_reload_error
+        self.last_reload_error = error
+        if error is not None and changed:
+            log.error("keyring refused; keeping the previous keyring", extra={"reason": error})
+        if self._on_reload is not None and (changed or error is None):
+            self._on_reload(error is None)
 
     # Key management -----------------------------------------------------------------------
 
-    def _mutate(self, change: Callable[[KeyringDocument], None]) -> Keyring:
-        """Read the file under its lock, verify it fully, apply ``change``, build the new
-        keyring and only then write it. A file that fails verification is never rewritten (its
-        MAC would launder the damage); a write that fails leaves the file and the keyring in
-        memory as they were. Both answer 503 ``keystore_unavailable``."""
+    def _mutate(self, change: Callable[[KeyringDocument], R]) -> tuple[Keyring, R]:
+        """One change in one store transaction (see the module docstring)."""
         if self._read_only:
             raise Conflict("the keyring is read-only on this instance; manage keys with the CLI")
         with self._lock:
             try:
-                with self.file.locked():
-                    try:
-                        data = self.file.path.read_bytes()
-                    except OSError as exc:
-                        raise _unavailable(
-                            f"the keyring file cannot be read ({exc.strerror})"
-                        ) from None
-                    try:
-                        document = KeyringDocument.from_bytes(data)
-                        document.verify(self._master)
-                    except KeyringFileError as exc:
-                        raise _refused(str(exc)) from None
-                    change(document)
-                    data = document.to_bytes(self._master)
-                    try:
-                        keyring = document.build(
-                            self._master, generation_of(data), self._activation_delay
+                with self.store.transaction() as transaction:
+                    raw = transaction.read()
+                    if raw is None:
+                        raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                    current = open_document(raw, self._master)
+                    check_succession(self._keyring, current, self._expected_deployment)
+                    document = next_document(current)
+                    result = change(document)
+                    if document.keys == current.document.keys:
+                        # Nothing to change (a key already there, a rotation already done
+                        # elsewhere): no write, no new generation; serve what is stored.
+                        keyring = build_keyring(
+                            current, self._master, self._keyring, self._activation_delay
                         )
-                    except Exception as exc:
-                        reason = (
-                            str(exc)
-                            if isinstance(exc, KeyringFileError | WrongMasterKey)
-                            else type(exc).__name__
+                        document = current.document
+                    else:
+                        sealed, digest = seal(document, self._master)
+                        keyring = build_keyring(
+                            Verified(document, digest),
+                            self._master,
+                            self._keyring,
+                            self._activation_delay,
                         )
-                        raise _refused(f"keyring does not load: {reason}") from None
-                    try:
-                        atomic_write(self.file.path, data)
-                    except OSError as exc:
-                        raise _unavailable(
-                            f"the keyring file could not be written ({exc.strerror})"
-                        ) from None
-            except OSError as exc:  # the lock file
-                raise _unavailable(f"the keyring lock cannot be taken ({exc.strerror})") from None
+                        transaction.write(sealed)
+            except IntegrityError as exc:
+                self._reload_outcome(str(exc))
+                raise _refused(str(exc)) from None
+            except StoreUnavailable as exc:
+                raise _unavailable(str(exc)) from None
             self._keyring = keyring
-            self._stamp = file_stamp(self.file.path)
+            self._document = document
             self.last_reload_error = None
-            return self._keyring
+            self.store_unreachable = None
+            try:
+                self._stamp = self.store.stamp()
+            except KeystoreError:
+                self._stamp = _UNSET  # the next check reads the store again
+            log.info(
+                "keyring changed",
+                extra={"generation": keyring.generation, "keys": len(keyring)},
+            )
+            return keyring, result
 
-    def _new_version(
-        self, name: str, type_name: str, version: int, material: bytes | None
+    def _wrap(
+        self,
+        name: str,
+        type_name: str,
+        version: int,
+        material: bytes,
+        created_at: str | None = None,
     ) -> VersionRecord:
-        key_type = KEY_TYPES[type_name]
-        if material is None:
-            material = key_type.generate()
         wrapped = self._master.wrap(material, name=name, version=version, type_name=type_name)
-        return VersionRecord(version=version, created_at=utc_now(), material=wrapped)
+        return VersionRecord(version, created_at or utc_now(), wrapped)
+
+    def _check_period(self, period: int | None) -> None:
+        if period is None or period == 0:
+            return
+        if not self._min_auto_rotate_period <= period <= MAX_AUTO_ROTATE_PERIOD:
+            raise InvalidRequest(
+                f"auto_rotate_period must be 0 (off) or between {self._min_auto_rotate_period} "
+                f"and {MAX_AUTO_ROTATE_PERIOD} seconds"
+            )
 
     def create(
         self,
@@ -165,6 +279,7 @@ class KeyManager:
         *,
         deletion_allowed: bool = False,
         material: bytes | None = None,
+        auto_rotate_period: int = 0,
         derived: bool = False,
         convergent: bool = False,
     ) -> Key:
@@ -173,6 +288,9 @@ class KeyManager:
         if type_name not in KEY_TYPES:
             raise InvalidRequest(f"unknown key type {type_name!r}")
         check_key_flags(KEY_TYPES[type_name], derived=derived, convergent=convergent)
+        self._check_period(auto_rotate_period)
+        # Generated before the store's lock is taken: an RSA-4096 key takes seconds.
+        fresh = material if material is not None else KEY_TYPES[type_name].generate()
 
         def change(document: KeyringDocument) -> None:
             if name in document.keys:
@@ -180,23 +298,28 @@ class KeyManager:
             document.keys[name] = KeyRecord(
                 type=type_name,
                 created_at=utc_now(),
+                versions=[self._wrap(name, type_name, 1, fresh)],
                 deletion_allowed=deletion_allowed,
-                versions=[self._new_version(name, type_name, 1, material)],
+                auto_rotate_period=auto_rotate_period,
                 derived=derived,
                 convergent=convergent,
             )
 
-        return self._mutate(change)[name]
+        return self._mutate(change)[0][name]
 
     def rotate(self, name: str, *, material: bytes | None = None) -> Key:
         check_key_name(name)
+        known = self.keyring.get(name)
+        fresh: Material | None = None
+        if material is not None:
+            fresh = (known.type.name if known is not None else "", material)
+        elif known is not None:
+            fresh = (known.type.name, known.type.generate())
 
         def change(document: KeyringDocument) -> None:
-            record = _record(document, name)
-            version = len(record.versions) + 1
-            record.versions.append(self._new_version(name, record.type, version, material))
+            _rotate(self, document, name, fresh, imported=material is not None)
 
-        return self._mutate(change)[name]
+        return self._mutate(change)[0][name]
 
     def update(
         self,
@@ -204,24 +327,33 @@ class KeyManager:
         *,
         min_decryption_version: int | None = None,
         deletion_allowed: bool | None = None,
+        auto_rotate_period: int | None = None,
     ) -> Key:
         check_key_name(name)
-        if min_decryption_version is None and deletion_allowed is None:
+        if (
+            min_decryption_version is None
+            and deletion_allowed is None
+            and (auto_rotate_period is None)
+        ):
             raise InvalidRequest(
-                "nothing to change: send min_decryption_version or deletion_allowed"
+                "nothing to change: send min_decryption_version, deletion_allowed or "
+                "auto_rotate_period"
             )
+        self._check_period(auto_rotate_period)
 
         def change(document: KeyringDocument) -> None:
             record = _record(document, name)
             if min_decryption_version is not None:
-                latest = len(record.versions)
+                latest = record.latest_version
                 if not 1 <= min_decryption_version <= latest:
                     raise InvalidRequest(f"min_decryption_version must be between 1 and {latest}")
                 record.min_decryption_version = min_decryption_version
             if deletion_allowed is not None:
                 record.deletion_allowed = deletion_allowed
+            if auto_rotate_period is not None:
+                record.auto_rotate_period = auto_rotate_period
 
-        return self._mutate(change)[name]
+        return self._mutate(change)[0][name]
 
     def delete(self, name: str) -> None:
         check_key_name(name)
@@ -233,9 +365,146 @@ class KeyManager:
 
         self._mutate(change)
 
+    def ensure_internal_key(self, name: str, type_name: str) -> Key:
+        """The internal key ``name`` (``cryptd:...``), created in one store transaction if no
+        replica made it yet: replicas racing end with one key."""
+        if not is_internal(name):
+            raise ValueError("internal key names start with " + INTERNAL_PREFIX)
+        check_stored_name(name)
+        found = self.keyring.internal.get(name)
+        if found is not None:
+            return found
+        fresh = KEY_TYPES[type_name].generate()
+
+        def change(document: KeyringDocument) -> None:
+            if name not in document.keys:
+                document.keys[name] = KeyRecord(
+                    type=type_name,
+                    created_at=utc_now(),
+                    versions=[self._wrap(name, type_name, 1, fresh)],
+                )
+
+        return self._mutate(change)[0].internal[name]
+
+    def export_key(self, name: str) -> KeyExport:
+        """One key's metadata and every version's material in the clear (for an encrypted
+        backup; the caller wraps it before it leaves the process)."""
+        check_stored_name(name)
+        record = None if self._document is None else self._document.keys.get(name)
+        if record is None:
+            raise KeyNotFound(f"key {name!r} not found")
+        versions = tuple(
+            (
+                v.version,
+                v.created_at,
+                self._master.unwrap(
+                    v.material, name=name, version=v.version, type_name=record.type
+                ),
+            )
+            for v in record.versions
+        )
+        metadata = {k: v for k, v in record.to_json().items() if k != "versions"}
+        return KeyExport(name, metadata, versions)
+
+    def import_key(self, export: KeyExport, name: str | None = None) -> Key:
+        """Insert a whole key (metadata and every version) in one transaction, under
+        ``name`` (default: the exported name); refused (409) if the name is taken."""
+        target = check_key_name(name or export.name)
+        type_name = export.metadata.get("type")
+        if not isinstance(type_name, str) or type_name not in KEY_TYPES:
+            raise InvalidRequest("the key's type is missing or unknown")
+        versions = [
+            self._wrap(target, type_name, number, material).to_json() | {"created_at": created_at}
+            for number, created_at, material in export.versions
+        ]
+        try:
+            record = KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
+        except MalformedDocument as exc:
+            raise InvalidRequest(f"the key record is invalid ({exc})") from None
+
+        def change(document: KeyringDocument) -> None:
+            if target in document.keys:
+                raise Conflict(f"key {target!r} already exists")
+            document.keys[target] = record
+
+        return self._mutate(change)[0][target]
+
+    # Automatic rotation -------------------------------------------------------------------
+
+    def due_for_rotation(self, now: float | None = None) -> list[str]:
+        """Keys whose automatic rotation is due in the snapshot served now."""
+        moment = time.time() if now is None else now
+        return sorted(name for name, key in self.keyring.items() if key.rotation_due(moment))
+
+    def rotate_due(self) -> list[tuple[str, int]]:
+        """Rotate every key that is due, if this process wins the store's rotation lock (one
+        process of all replicas does). Dueness is checked again on the document read inside
+        each transaction, so a key rotated meanwhile elsewhere is not rotated twice."""
+        if self._read_only or not self.due_for_rotation():
+            return []
+        rotated: list[tuple[str, int]] = []
+        with self.store.try_lock("rotate") as held:
+            if not held:
+                return []
+            for name in self.due_for_rotation():
+                key_type = self.keyring[name].type
+                fresh = (key_type.name, key_type.generate())
+
+                def change(
+                    document: KeyringDocument, name: str = name, fresh: Material = fresh
+                ) -> int | None:
+                    record = document.keys.get(name)
+                    if record is None or not _due(record, time.time()):
+                        return None
+                    return _rotate(self, document, name, fresh)
+
+                try:
+                    _, version = self._mutate(change)
+                except KeystoreUnavailable:
+                    break
+                if version is not None:
+                    rotated.append((name, version))
+                    log.info(
+                        "key rotated automatically", extra={"key": name, "key_version": version}
+                    )
+        return rotated
+
+
+def _due(record: KeyRecord, now: float) -> bool:
+    if record.auto_rotate_period <= 0:
+        return False
+    latest = max(record.versions, key=lambda v: v.version)
+    return now >= parse_time(latest.created_at) + record.auto_rotate_period
+
+
+Material = tuple[str, bytes]  # (type name it was made for, material)
+
+
+def _rotate(
+    manager: KeyManager,
+    document: KeyringDocument,
+    name: str,
+    fresh: Material | None,
+    *,
+    imported: bool = False,
+) -> int:
+    """Add the next version, numbered from the document read inside the transaction: two
+    replicas rotating at once get two distinct versions, one after the other. Material made
+    before the lock for another type (the key was deleted and created again meanwhile) is
+    not used; imported material for another type is refused."""
+    record = _record(document, name)
+    material = fresh[1] if fresh is not None and fresh[0] == record.type else None
+    if imported and material is None:
+        raise Conflict(f"key {name!r} is not of the type the imported material was made for")
+    if material is None:
+        material = KEY_TYPES[record.type].generate()
+    version = record.latest_version + 1
+    record.versions.append(manager._wrap(name, record.type, version, material))
+    return version
+
 
 def _refused(reason: str) -> KeystoreUnavailable:
-    log.error("key management refused: the keyring failed verification", extra={"reason": reason})
+    log.error("key management refused: the key store failed verification", extra={"reason": reason})
     return KeystoreUnavailable(
         f"the key store failed verification ({reason}); key management is refused and "
         "nothing was changed. Crypto keeps serving the keyring loaded before. Restore the "
@@ -246,8 +515,8 @@ def _refused(reason: str) -> KeystoreUnavailable:
 def _unavailable(reason: str) -> KeystoreUnavailable:
     log.error("key management refused: the key store is unavailable", extra={"reason": reason})
     return KeystoreUnavailable(
-        f"{reason}; nothing was changed and the keyring in memory still serves. Free space or "
-        "fix the file's permissions, then retry."
+        f"{reason}; nothing was changed and the keyring in memory still serves. Retry once "
+        "the store is back (free space, fix permissions, or restore the database connection)."
     )
 
 
@@ -260,6 +529,6 @@ def _record(document: KeyringDocument, name: str) -> KeyRecord:
 
 def create_keyring_file(path: Path, master: MasterKey) -> None:
     """Write an empty keyring (refuses to overwrite an existing file)."""
-    if path.exists():
-        raise FileExistsError(f"{path} already exists")
-    KeyringFile(path).write(KeyringDocument(master_key_id=master.key_id), master)
+    from service.keys.admin import initialise
+
+    initialise(FileKeyStore(path), master)

@@ -24,20 +24,26 @@ async def readyz(request: Request) -> Response:
     checks: dict[str, Any] = {}
     ready = True
     keys = services.keys
+    keyring = keys.keyring
     keyring_check: dict[str, Any] = {
         "ok": True,
-        "generation": keys.keyring.generation,
-        "keys": len(keys.keyring),
+        "store": keys.store.backend,
+        "generation": keyring.generation,
+        "deployment_id": keyring.deployment_id,
+        "keys": len(keyring),
     }
+    # The keyring in memory still serves; a refused or unreachable store is reported as
+    # degraded (key management answers 503 meanwhile), not as unready.
     if keys.last_reload_error is not None:
-        # The previous keyring still serves; the failed reload is reported, not fatal.
         keyring_check["last_reload_error"] = keys.last_reload_error
+    if keys.store_unreachable is not None:
+        keyring_check["store_unreachable"] = keys.store_unreachable
     checks["keyring"] = keyring_check
     for name, check in services.readiness:
         ok, detail = await check()
         checks[name] = {"ok": ok, **detail}
         ready = ready and ok
     status = "ready" if ready else "not_ready"
-    if ready and keys.last_reload_error is not None:
+    if ready and keys.store_error is not None:
         status = "degraded"
     return json_response({"status": status, "checks": checks}, status=200 if ready else 503)

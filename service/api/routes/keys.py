@@ -66,7 +66,8 @@ async def describe_key(request: Request, key: str) -> Response:
     check_key_name(key)
     deps.note(request, key=key, operation="read")
     deps.authorize(request, key, "read")
-    return json_response(deps.services(request).keys.keyring.key(key).describe())
+    _, found = await deps.services(request).runner.key(key)
+    return json_response(found.describe())
 
 
 @router.post("/{key}", status_code=201)
@@ -84,6 +85,7 @@ async def create_key(request: Request, key: str) -> Response:
             deletion_allowed=body.deletion_allowed,
             derived=body.derived,
             convergent=body.convergent,
+            auto_rotate_period=body.auto_rotate_period,
         ),
     )
     assert created is not None
@@ -111,6 +113,7 @@ async def update_key(request: Request, key: str) -> Response:
             key,
             min_decryption_version=body.min_decryption_version,
             deletion_allowed=body.deletion_allowed,
+            auto_rotate_period=body.auto_rotate_period,
         ),
     )
     assert updated is not None

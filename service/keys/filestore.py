@@ -1,0 +1,119 @@
+"""The file key store: the keyring document as one JSON file.
+
+Writes are atomic (temporary file in the same directory, fsync, rename, fsync of the
+directory) and serialised between processes by an advisory lock on the sibling file
+``<name>.lock``. Replicas on one node share the file; across nodes use PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+from collections.abc import AsyncIterator, Hashable, Iterator
+from pathlib import Path
+
+import orjson
+
+from service.fileio import atomic_write, file_stamp
+from service.keys.document import RawDocument
+from service.keys.store import IntegrityError, StoreUnavailable
+
+
+class FileKeyStore:
+    backend = "file"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def description(self) -> str:
+        return f"file {self.path}"
+
+    def read(self) -> RawDocument | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailable(f"the keyring file cannot be read ({exc.strerror})") from None
+        return parse(data)
+
+    def stamp(self) -> Hashable:
+        return file_stamp(self.path)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[_FileTransaction]:
+        with self._flock(".lock", blocking=True):
+            yield _FileTransaction(self)
+
+    @contextlib.contextmanager
+    def try_lock(self, purpose: str) -> Iterator[bool]:
+        with self._flock(f".{purpose}.lock", blocking=False) as held:
+            yield held
+
+    def notifications(self) -> AsyncIterator[None] | None:
+        return None  # polled: one stat per interval
+
+    def close(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def _flock(self, suffix: str, *, blocking: bool) -> Iterator[bool]:
+        lock_path = self.path.with_name(self.path.name + suffix)
+        try:
+            handle = open(lock_path, "a+b")  # noqa: SIM115 - closed below, after the unlock
+        except OSError as exc:
+            raise StoreUnavailable(f"the keyring lock cannot be taken ({exc.strerror})") from None
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and not blocking:
+                    yield False
+                    return
+                raise StoreUnavailable(
+                    f"the keyring lock cannot be taken ({exc.strerror})"
+                ) from None
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _FileTransaction:
+    def __init__(self, store: FileKeyStore) -> None:
+        self._store = store
+
+    def read(self) -> RawDocument | None:
+        return self._store.read()
+
+    def write(self, document: RawDocument) -> None:
+        try:
+            atomic_write(self._store.path, render(document))
+        except OSError as exc:
+            raise StoreUnavailable(
+                f"the keyring file could not be written ({exc.strerror})"
+            ) from None
+
+
+def parse(data: bytes) -> RawDocument:
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise IntegrityError("the keyring file is not JSON") from None
+    if not isinstance(raw, dict):
+        raise IntegrityError("the keyring file is not a JSON object")
+    return raw
+
+
+def render(document: RawDocument) -> bytes:
+    """Indented, keys in document order (the MAC does not depend on the layout)."""
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def write_new(path: Path, document: RawDocument) -> None:
+    """Create the keyring file; refuses to replace one that exists."""
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    atomic_write(path, render(document))

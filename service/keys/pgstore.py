@@ -1,0 +1,384 @@
+"""The PostgreSQL key store: the keyring document as rows, shared by every replica.
+
+Three tables (created by ``cryptd keystore init``, never by the service, which needs only
+SELECT, INSERT, UPDATE and DELETE on them; docs/DEPLOY.md has the grants):
+
+- ``cryptd_keyring``: one row, the document's header: format, deployment id, master key id,
+  generation, MAC (and the schema version);
+- ``cryptd_keys``: one row per key, its metadata as JSON;
+- ``cryptd_key_versions``: one row per version, its metadata as JSON and its wrapped material.
+
+Put back together, the rows are exactly the keyring file's document, so the MAC the integrity
+layer checks is the same in both stores and a file keyring moves here unchanged. A change is
+one transaction that first locks the header row (``SELECT ... FOR UPDATE``): writers of every
+replica queue there, each reads what the one before committed, so two replicas rotating one
+key at once get two distinct versions and lose neither. The commit sends ``NOTIFY`` on
+:data:`CHANNEL`; every server worker listens (and checks the generation periodically, the
+backstop for a missed notification or a dropped connection).
+
+Driver: psycopg 3 (libpq): every libpq parameter in the URL (``sslmode``, ``sslrootcert``,
+``target_session_attrs``, ...) and the ``PG*`` environment work as with ``psql``; it has a
+blocking API for the key manager's threads and an asynchronous one for LISTEN. Measured
+against asyncpg in loadtest/pg_drivers.py (docs/DEPLOY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncGenerator, Hashable, Iterator
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.types.json import Jsonb
+
+from service.keys.document import RawDocument
+from service.keys.store import IntegrityError, NotInitialised, StoreUnavailable
+
+log = logging.getLogger("cryptd.keystore")
+
+SCHEMA_VERSION = 1
+CHANNEL = "cryptd_keyring"
+LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
+
+# What a connection gets unless the URL says otherwise: fail fast when the database is down,
+# notice a dead peer, and name the application in pg_stat_activity.
+DEFAULTS = {
+    "connect_timeout": "5",
+    "application_name": "cryptd",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+}
+LOCK_TIMEOUT = "10s"  # a writer waits this long for another replica's change
+STATEMENT_TIMEOUT = "30s"
+LISTEN_KEEPALIVE = 30.0  # seconds without a notification before the connection is probed
+RECONNECT_DELAY = (0.2, 10.0)
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS cryptd_keyring (
+        id smallint PRIMARY KEY CHECK (id = 1),
+        schema_version integer NOT NULL,
+        format text NOT NULL,
+        deployment_id text NOT NULL,
+        master_key_id text NOT NULL,
+        generation bigint NOT NULL CHECK (generation > 0),
+        mac bytea NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS cryptd_keys (
+        name text PRIMARY KEY,
+        record jsonb NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS cryptd_key_versions (
+        name text NOT NULL REFERENCES cryptd_keys (name) ON DELETE CASCADE,
+        version integer NOT NULL CHECK (version > 0),
+        record jsonb NOT NULL,
+        material bytea NOT NULL,
+        PRIMARY KEY (name, version)
+    )""",
+)
+TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions")
+HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
+
+
+def connection_info(url: str) -> str:
+    """The libpq connection string: the URL's parameters, plus :data:`DEFAULTS` where unset."""
+    try:
+        params: dict[str, Any] = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        raise ValueError("CRYPTD_KEYSTORE_URL is not a valid PostgreSQL URL") from None
+    for name, value in DEFAULTS.items():
+        params.setdefault(name, value)
+    return make_conninfo(**params)
+
+
+def describe(conninfo: str) -> str:
+    params = conninfo_to_dict(conninfo)
+    user = str(params.get("user") or "")
+    host = params.get("host", "localhost")
+    port = params.get("port", "5432")
+    return f"postgresql {user + '@' if user else ''}{host}:{port}/{params.get('dbname', '')}"
+
+
+def _reason(exc: psycopg.Error) -> str:
+    """The first line of the server's or libpq's message: no query text, no parameters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first[:200]
+
+
+class PostgresKeyStore:
+    backend = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        self._conninfo = connection_info(url)
+        self._description = describe(self._conninfo)
+        self._lock = threading.Lock()  # one statement sequence on the connection at a time
+        self._conn: psycopg.Connection[Any] | None = None
+
+    @property
+    def description(self) -> str:
+        return self._description
+
+    # Connections ----------------------------------------------------------------------------
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self._conninfo, autocommit=True)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[psycopg.Connection[Any]]:
+        """The shared connection, (re)opened as needed; driver errors become store errors."""
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = self._connect()
+                yield self._conn
+            except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
+                raise NotInitialised(
+                    f"{self._description} has no cryptd key store (run `cryptd keystore init`)"
+                ) from None
+            except pg_errors.InsufficientPrivilege as exc:
+                raise StoreUnavailable(
+                    f"{self._description}: permission denied ({_reason(exc)})"
+                ) from None
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                self._drop()
+                raise StoreUnavailable(
+                    f"the database {self._description} is unreachable ({_reason(exc)})"
+                ) from None
+            except (psycopg.DataError, psycopg.IntegrityError) as exc:
+                raise IntegrityError(f"malformed rows in the key store ({_reason(exc)})") from None
+            except psycopg.Error as exc:
+                self._drop()
+                raise StoreUnavailable(f"{self._description}: {_reason(exc)}") from None
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # The interface --------------------------------------------------------------------------
+
+    def stamp(self) -> Hashable:
+        with self._session() as conn:
+            row = conn.execute(
+                "SELECT schema_version, generation, mac FROM cryptd_keyring WHERE id = 1"
+            ).fetchone()
+        if row is None:
+            return None
+        _check_schema(row[0])
+        return (row[1], bytes(row[2]))
+
+    def read(self) -> RawDocument | None:
+        with self._session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            return _read(conn)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[_PgTransaction]:
+        with self._session() as conn, conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+            conn.execute(f"SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}'")
+            locked = conn.execute("SELECT 1 FROM cryptd_keyring WHERE id = 1 FOR UPDATE")
+            if locked.fetchone() is None:
+                # An empty store being initialised: one initialiser at a time.
+                conn.execute("LOCK TABLE cryptd_keyring IN SHARE ROW EXCLUSIVE MODE")
+            yield _PgTransaction(conn)
+
+    @contextlib.contextmanager
+    def try_lock(self, purpose: str) -> Iterator[bool]:
+        """A session advisory lock on a connection of its own, so that holding it (a
+        rotation generating keys) never blocks this process's other store calls."""
+        try:
+            conn = self._connect()
+        except psycopg.Error as exc:
+            raise StoreUnavailable(
+                f"the database {self._description} is unreachable ({_reason(exc)})"
+            ) from None
+        with conn:
+            try:
+                row = conn.execute(
+                    "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (LOCK_CLASS, purpose)
+                ).fetchone()
+            except psycopg.Error as exc:
+                raise StoreUnavailable(f"{self._description}: {_reason(exc)}") from None
+            held = bool(row and row[0])
+            try:
+                yield held
+            finally:
+                if held:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute(
+                            "SELECT pg_advisory_unlock(%s, hashtext(%s))", (LOCK_CLASS, purpose)
+                        )
+
+    def notifications(self) -> AsyncGenerator[None, None]:
+        return self._listen()
+
+    async def _listen(self) -> AsyncGenerator[None, None]:
+        """LISTEN on a connection of its own, reconnecting with backoff; yields once after
+        each (re)connection (changes may have been missed) and once per notification."""
+        delay = RECONNECT_DELAY[0]
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+            except psycopg.Error as exc:
+                log.warning("key store notifications unavailable", extra={"reason": _reason(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_DELAY[1])
+                continue
+            try:
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    delay = RECONNECT_DELAY[0]
+                    yield None
+                    while True:
+                        async for _ in conn.notifies(timeout=LISTEN_KEEPALIVE):
+                            yield None
+                        await conn.execute("SELECT 1")  # quiet for a while: still connected?
+            except psycopg.Error as exc:
+                log.warning("key store notifications interrupted", extra={"reason": _reason(exc)})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_DELAY[1])
+
+    # Administration (`cryptd keystore init`, tests) ------------------------------------------
+
+    def create_schema(self) -> None:
+        with self._session() as conn, conn.transaction():
+            for statement in SCHEMA:
+                conn.execute(statement)
+
+    def drop_schema(self) -> None:
+        with self._session() as conn, conn.transaction():
+            conn.execute("DROP TABLE IF EXISTS " + ", ".join(reversed(TABLES)))
+
+
+def _check_schema(version: int) -> None:
+    if version != SCHEMA_VERSION:
+        raise IntegrityError(
+            f"the key store has schema version {version}; this cryptd reads {SCHEMA_VERSION}"
+        )
+
+
+def _read(conn: psycopg.Connection[Any]) -> RawDocument | None:
+    header = conn.execute(HEADER + " FROM cryptd_keyring WHERE id = 1").fetchone()
+    if header is None:
+        return None
+    schema_version, fmt, deployment_id, master_key_id, generation, mac = header
+    _check_schema(schema_version)
+    keys: dict[str, dict[str, Any]] = {}
+    for name, record in conn.execute("SELECT name, record FROM cryptd_keys"):
+        if not isinstance(record, dict) or "versions" in record:
+            raise IntegrityError(f"malformed row in cryptd_keys (key {str(name)[:128]!r})")
+        keys[name] = {**record, "versions": []}
+    rows = conn.execute(
+        "SELECT name, version, record, material FROM cryptd_key_versions ORDER BY name, version"
+    )
+    for name, version, record, material in rows:
+        where = f"key {str(name)[:128]!r} version {version}"
+        if name not in keys:
+            raise IntegrityError(f"malformed rows in cryptd_key_versions ({where} has no key)")
+        if not isinstance(record, dict) or {"version", "material"} & set(record):
+            raise IntegrityError(f"malformed row in cryptd_key_versions ({where})")
+        keys[name]["versions"].append(
+            {**record, "version": version, "material": base64.b64encode(material).decode()}
+        )
+    return {
+        "format": fmt,
+        "deployment_id": deployment_id,
+        "generation": generation,
+        "master_key_id": master_key_id,
+        "keys": keys,
+        "mac": base64.b64encode(mac).decode(),
+    }
+
+
+class _PgTransaction:
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self._current: RawDocument | None = None
+        self._read = False
+
+    def read(self) -> RawDocument | None:
+        self._current = _read(self._conn)
+        self._read = True
+        return self._current
+
+    def write(self, document: RawDocument) -> None:
+        """Write the rows that differ from what :meth:`read` saw, then notify (delivered to
+        the listeners when the transaction commits)."""
+        if not self._read:
+            self.read()
+        old = self._current
+        conn = self._conn
+        header = (
+            document["format"],
+            document["deployment_id"],
+            document["master_key_id"],
+            document["generation"],
+            base64.b64decode(document["mac"]),
+        )
+        if old is None:
+            conn.execute(
+                "INSERT INTO cryptd_keyring (id, schema_version, format, deployment_id, "
+                "master_key_id, generation, mac) VALUES (1, %s, %s, %s, %s, %s, %s)",
+                (SCHEMA_VERSION, *header),
+            )
+        else:
+            conn.execute(
+                "UPDATE cryptd_keyring SET format = %s, deployment_id = %s, master_key_id = %s, "
+                "generation = %s, mac = %s WHERE id = 1",
+                header,
+            )
+        old_keys: dict[str, Any] = {} if old is None else old["keys"]
+        new_keys: dict[str, Any] = document["keys"]
+        gone = [name for name in old_keys if name not in new_keys]
+        if gone:
+            conn.execute("DELETE FROM cryptd_keys WHERE name = ANY(%s)", (gone,))
+        key_rows = []
+        version_rows = []
+        dropped_versions = []
+        for name, key in new_keys.items():
+            record = {k: v for k, v in key.items() if k != "versions"}
+            before = old_keys.get(name)
+            if before is None or {k: v for k, v in before.items() if k != "versions"} != record:
+                key_rows.append((name, Jsonb(record)))
+            old_versions = {} if before is None else {v["version"]: v for v in before["versions"]}
+            new_versions = {v["version"]: v for v in key["versions"]}
+            for number, version in new_versions.items():
+                if old_versions.get(number) != version:
+                    meta = {k: v for k, v in version.items() if k not in ("version", "material")}
+                    material = base64.b64decode(version["material"])
+                    version_rows.append((name, number, Jsonb(meta), material))
+            dropped_versions += [(name, n) for n in old_versions if n not in new_versions]
+        with conn.cursor() as cursor:
+            if key_rows:
+                cursor.executemany(
+                    "INSERT INTO cryptd_keys (name, record) VALUES (%s, %s) "
+                    "ON CONFLICT (name) DO UPDATE SET record = EXCLUDED.record",
+                    key_rows,
+                )
+            if dropped_versions:
+                cursor.executemany(
+                    "DELETE FROM cryptd_key_versions WHERE name = %s AND version = %s",
+                    dropped_versions,
+                )
+            if version_rows:
+                cursor.executemany(
+                    "INSERT INTO cryptd_key_versions (name, version, record, material) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (name, version) DO UPDATE SET "
+                    "record = EXCLUDED.record, material = EXCLUDED.material",
+                    version_rows,
+                )
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(document["generation"])))

@@ -1,0 +1,112 @@
+"""Keeps a server worker's keyring current: push notifications where the store has them, a
+periodic check as the backstop, and a check before any "not found".
+
+A request naming a key or version this worker does not know waits for one store check that
+started after it arrived, then looks again: a key created through another worker or replica
+is found, never answered 404. Checks after misses start at most every ``miss_interval`` and
+concurrent misses share one, so a stream of unknown names costs the store a few small reads a
+second, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from service.keys.manager import KeyManager
+
+log = logging.getLogger("cryptd.keyring")
+
+MISS_INTERVAL = 0.05  # seconds between store checks triggered by unknown keys or versions
+
+
+class KeyringWatcher:
+    def __init__(
+        self,
+        manager: KeyManager,
+        *,
+        interval: float,
+        miss_interval: float = MISS_INTERVAL,
+        run_blocking: Callable[[Callable[[], bool]], Awaitable[bool]] | None = None,
+    ) -> None:
+        self._manager = manager
+        self._interval = interval
+        self._miss_interval = miss_interval
+        self._run_blocking = run_blocking or asyncio.to_thread
+        self._task: asyncio.Future[bool] | None = None
+        self._task_started = float("-inf")  # when the check in flight (or the last) started
+        self._completed_started = float("-inf")  # start of the newest finished check
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._backstop()))
+        if (stream := self._manager.store.notifications()) is not None:
+            self._tasks.append(asyncio.create_task(self._listen(stream)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+
+    async def after_miss(self, since: float) -> None:
+        """Return once a store check that started at or after loop time ``since`` is done."""
+        await self._check(since, rate_limited=True)
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def refresh(self) -> None:
+        """Check the store now (a notification arrived)."""
+        await self._check(self.now(), rate_limited=False)
+
+    async def _check(self, since: float, *, rate_limited: bool) -> None:
+        loop = asyncio.get_running_loop()
+        while self._completed_started < since:
+            task = self._task
+            if task is None:
+                wait = self._task_started + self._miss_interval - loop.time()
+                if rate_limited and wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                task = self._start(loop.time())
+            with contextlib.suppress(Exception):  # refresh() never raises; a dead executor may
+                await asyncio.shield(task)
+
+    def _start(self, started: float) -> asyncio.Future[bool]:
+        task = asyncio.ensure_future(self._run_blocking(self._manager.refresh))
+        self._task, self._task_started = task, started
+
+        def done(finished: asyncio.Future[bool]) -> None:
+            # Registered first, so it runs before any waiter resumes.
+            if self._task is finished:
+                self._task = None
+            self._completed_started = max(self._completed_started, started)
+            if not finished.cancelled() and finished.exception() is not None:
+                log.error(
+                    "keyring check failed",
+                    extra={"error_type": type(finished.exception()).__name__},
+                )
+
+        task.add_done_callback(done)
+        return task
+
+    async def _backstop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self._check(self.now(), rate_limited=False)
+            except Exception as exc:  # refresh never raises; this is the last guard
+                log.error("keyring check failed", extra={"error_type": type(exc).__name__})
+
+    async def _listen(self, stream: object) -> None:
+        async for _ in stream:  # type: ignore[attr-defined]
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.error("keyring check failed", extra={"error_type": type(exc).__name__})
