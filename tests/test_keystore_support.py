@@ -6,15 +6,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import pwd
 import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, free_port, start_server, stop_server
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
@@ -107,3 +111,117 @@ def without_file_access_override() -> list[str]:
         return []
     setpriv = needs_tool("setpriv")
     return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+def start_replicas(
+    directory: Path,
+    keystore_url: str,
+    *,
+    count: int = 2,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+) -> list[Server]:
+    """``count`` development servers of ``workers`` workers each on one PostgreSQL key store:
+    the first creates the development state (master key, client, keys), the others get a
+    copy of its directory, as replicas share one master key and one clients file."""
+    settings = {"CRYPTD_KEYSTORE_URL": keystore_url, **(env or {})}
+    servers = [start_server(directory / "replica-0", settings, workers=workers)]
+    try:
+        for index in range(1, count):
+            state = directory / f"replica-{index}" / "dev"
+            state.mkdir(parents=True)
+            for name in ("master.key", "clients.json"):
+                shutil.copy2(directory / "replica-0" / "dev" / name, state / name)
+            servers.append(start_server(directory / f"replica-{index}", settings, workers=workers))
+    except BaseException:
+        for server in servers:
+            stop_server(server)
+        raise
+    return servers
+
+
+@contextlib.contextmanager
+def replicas(directory: Path, keystore_url: str, **options: Any) -> Iterator[list[Server]]:
+    servers = start_replicas(directory, keystore_url, **options)
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@dataclass
+class PrivatePostgres:
+    """A PostgreSQL cluster of one test's own, on a free port: stopping it disturbs nobody."""
+
+    directory: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _pg_ctl(self, *args: str) -> None:
+        subprocess.run(
+            [*_as_postgres(), str(PG_BIN / "pg_ctl"), "-D", str(self.directory / "data"), *args],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c fsync=off "
+            f"-c unix_socket_directories={self.directory}"
+        )
+        self._pg_ctl("-o", options, "-l", str(self.directory / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self._pg_ctl("-m", "fast", "-w", "stop")
+
+
+def _as_postgres() -> list[str]:
+    if os.geteuid() == 0:
+        return [needs_tool("runuser"), "-u", "postgres", "--"]
+    return []
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PrivatePostgres]:
+    if not (PG_BIN / "initdb").exists():
+        message = f"{PG_BIN}/initdb is not installed"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    if os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name != "postgres":
+        needs_root("running a private PostgreSQL cluster as the postgres user")
+    directory = Path(tempfile.mkdtemp(prefix="cryptd-pg-"))
+    if os.geteuid() == 0:
+        shutil.chown(directory, "postgres", "postgres")
+    cluster = PrivatePostgres(directory, free_port())
+    try:
+        subprocess.run(
+            [
+                *_as_postgres(),
+                str(PG_BIN / "initdb"),
+                "-D",
+                str(directory / "data"),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        cluster.start()
+        yield cluster
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            cluster.stop()
+        shutil.rmtree(directory, ignore_errors=True)
