@@ -9,7 +9,7 @@
 # files: a restarted container keeps its emptyDir, and files left by dead worker processes
 # would otherwise be summed into the new process's metrics.
 #
-# Administrative subcommands (keys, master-key, clients, call, bench) are passed straight to
+# Administrative subcommands (keys, keystore, master-key, clients, call, bench) are passed straight to
 # `cryptd` without the server checks, e.g. `docker run --rm IMAGE master-key generate`.
 
 set -euo pipefail
@@ -54,7 +54,10 @@ check_server_environment() {
         else
             require_file CRYPTD_MASTER_KEY_FILE
         fi
-        require_file CRYPTD_KEYRING_FILE
+        # The keyring file is the key store unless PostgreSQL is (CRYPTD_KEYSTORE_URL).
+        if [[ -z "${CRYPTD_KEYSTORE_URL:-}" ]]; then
+            require_file CRYPTD_KEYRING_FILE
+        fi
         require_file CRYPTD_CLIENTS_FILE
     fi
 
@@ -74,7 +77,7 @@ check_server_environment() {
 }
 
 case "${1:-}" in
-    keys | master-key | clients | call | bench | --help | -h)
+    keys | keystore | master-key | clients | call | bench | --help | -h)
         exec cryptd "$@"
         ;;
 esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Literal
 
@@ -153,6 +154,12 @@ class Settings(BaseSettings):
         if self.workers > 1 and self.redis_url is None:
             # Each worker process would keep its own nonces: a replay could land on another.
             raise ValueError("CRYPTD_WORKERS > 1 needs CRYPTD_REDIS_URL for replay protection")
+        if (url := self.keystore_url_value()) is not None and (weak := _weak_tls(url)):
+            raise ValueError(
+                f"CRYPTD_KEYSTORE_URL reaches {weak} without TLS verification: add "
+                "sslmode=verify-full (and sslrootcert=...) to the URL, or sslmode=disable "
+                "if the network itself is trusted (a service mesh)"
+            )
         if self.replay_fail_open and self.redis_url is None:
             raise ValueError("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
         return self
@@ -168,6 +175,23 @@ class Settings(BaseSettings):
         else:
             raise ValueError("no master key configured")
         return decode_master_key(raw, source)
+
+
+_LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def _weak_tls(url: str) -> str | None:
+    """The remote host ``url`` reaches with libpq's opportunistic TLS (sslmode unset, allow,
+    prefer: a man in the middle simply declines TLS), or None. Local hosts and Unix sockets
+    are fine; an explicit sslmode (require, verify-ca, verify-full, or disable) is a choice."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qs(parts.query)
+    sslmode = (query.get("sslmode") or [os.environ.get("PGSSLMODE", "")])[-1]
+    if sslmode in ("require", "verify-ca", "verify-full", "disable"):
+        return None
+    hosts = (query.get("host") or [parts.hostname or ""])[-1].split(",")
+    remote = [h for h in hosts if h not in _LOCAL_HOSTS and not h.startswith("/")]
+    return remote[0] if remote else None
 
 
 def decode_master_key(text: str, source: str = "master key") -> bytes:

@@ -429,3 +429,36 @@ def test_url_parameters_pass_through_to_libpq() -> None:
     assert params["application_name"] == "cryptd"
     assert "s3cret" not in describe(info)
     assert describe(info) == "postgresql cryptd@db.example:6432/keys"
+
+
+@pytest.mark.parametrize(
+    ("url", "refused"),
+    [
+        ("postgresql://cryptd@db.internal/cryptd", True),
+        ("postgresql://cryptd@db.internal/cryptd?sslmode=prefer", True),
+        ("postgresql://cryptd@db.internal/cryptd?sslmode=verify-full", False),
+        ("postgresql://cryptd@db.internal/cryptd?sslmode=disable", False),  # an explicit choice
+        ("postgresql://cryptd@127.0.0.1/cryptd", False),
+        ("postgresql:///cryptd?host=/var/run/postgresql", False),
+        ("mysql://db/cryptd", True),
+    ],
+)
+def test_production_refuses_a_remote_store_without_tls_verification(
+    monkeypatch: pytest.MonkeyPatch, url: str, refused: bool
+) -> None:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    monkeypatch.delenv("PGSSLMODE", raising=False)
+    options = {
+        "env": "production",
+        "master_key": "x" * 44,
+        "clients_file": "clients.json",
+        "keystore_url": url,
+    }
+    if refused:
+        with pytest.raises(ValidationError, match="CRYPTD_KEYSTORE_URL"):
+            Settings(**options)
+    else:
+        assert Settings(**options).keystore_url_value() == url

@@ -6,6 +6,10 @@
 #   cryptd-clients     clients.json   API clients (cryptd clients add ... --file FILE)
 #   cryptd-redis       url            redis://cryptd:PASSWORD@HOST:6379/0, for the cryptd pods
 #                      users.acl      Redis ACL: default user off, user "cryptd" by password hash
+#   cryptd-keystore    url            postgresql://... (k8s/postgresql: --keystore-url-file
+#                                     instead of --keyring)
+#   cryptd-keystore-ca ca.crt         the CA that signed the database's certificate, for
+#                                     sslmode=verify-full (--keystore-ca, required with the URL)
 #
 # Nothing is sent to a cluster: `kubectl create secret --dry-run=client -o yaml` only renders.
 # Apply with:  k8s/scripts/make-secrets.sh ARGS | kubectl apply -f -
@@ -22,7 +26,8 @@ readonly PROG="make-secrets"
 
 usage() {
     cat >&2 <<EOF
-usage: $0 --master-key FILE --keyring FILE --clients FILE --redis-password-file FILE
+usage: $0 --master-key FILE (--keyring FILE | --keystore-url-file FILE --keystore-ca FILE)
+          --clients FILE --redis-password-file FILE
           [--namespace NS] [--redis-host HOST] [--redis-port PORT]
 EOF
     exit 64
@@ -38,6 +43,8 @@ master_key=""
 keyring=""
 clients=""
 redis_password_file=""
+keystore_url_file=""
+keystore_ca=""
 redis_host="cryptd-redis"
 redis_port="6379"
 
@@ -47,6 +54,8 @@ while (($#)); do
         --keyring) keyring="${2:?}"; shift 2 ;;
         --clients) clients="${2:?}"; shift 2 ;;
         --redis-password-file) redis_password_file="${2:?}"; shift 2 ;;
+        --keystore-url-file) keystore_url_file="${2:?}"; shift 2 ;;
+        --keystore-ca) keystore_ca="${2:?}"; shift 2 ;;
         -n | --namespace) namespace="${2:?}"; shift 2 ;;
         --redis-host) redis_host="${2:?}"; shift 2 ;;
         --redis-port) redis_port="${2:?}"; shift 2 ;;
@@ -54,12 +63,22 @@ while (($#)); do
         *) printf '%s: unknown argument %s\n' "$PROG" "$1" >&2; usage ;;
     esac
 done
-[[ -n "$master_key" && -n "$keyring" && -n "$clients" && -n "$redis_password_file" ]] || usage
+[[ -n "$master_key" && -n "$clients" && -n "$redis_password_file" ]] || usage
+# One key store: the keyring file (a Secret) or PostgreSQL (its URL in a Secret).
+[[ -n "$keyring" || -n "$keystore_url_file" ]] || usage
+[[ -n "$keyring" && -n "$keystore_url_file" ]] && fail "--keyring and --keystore-url-file exclude each other"
+[[ -n "$keystore_ca" && -z "$keystore_url_file" ]] && fail "--keystore-ca needs --keystore-url-file"
+# TLS to the database: the pods verify its certificate against this CA (sslrootcert).
+[[ -n "$keystore_url_file" && -z "$keystore_ca" ]] && fail "--keystore-url-file needs --keystore-ca"
 command -v kubectl > /dev/null || fail "kubectl not found on PATH"
 
-for file in "$master_key" "$keyring" "$clients"; do
+for file in "$master_key" "$clients" ${keyring:+"$keyring"} ${keystore_url_file:+"$keystore_url_file"} ${keystore_ca:+"$keystore_ca"}; do
     [[ -f "$file" && -r "$file" && -s "$file" ]] || fail "$file: missing, unreadable or empty"
 done
+if [[ -n "$keystore_url_file" ]]; then
+    grep -Eq '^postgres(ql)?://' "$keystore_url_file" \
+        || fail "$keystore_url_file: want a postgresql:// URL"
+fi
 # The server refuses anything but 32 bytes; refuse it here, before it reaches a cluster.
 key_bytes=$(tr -d ' \n\r' < "$master_key" | base64 -d 2> /dev/null | wc -c) \
     || fail "$master_key: not base64"
@@ -97,6 +116,13 @@ render() {
 }
 
 render cryptd-master-key --from-file=master.key="$master_key"
-render cryptd-keyring --from-file=keyring.json="$keyring"
+if [[ -n "$keyring" ]]; then
+    render cryptd-keyring --from-file=keyring.json="$keyring"
+else
+    # The URL file's content as it is, without a trailing newline.
+    tr -d '\n' < "$keystore_url_file" > "$work/keystore-url"
+    render cryptd-keystore --from-file=url="$work/keystore-url"
+    render cryptd-keystore-ca --from-file=ca.crt="$keystore_ca"
+fi
 render cryptd-clients --from-file=clients.json="$clients"
 render cryptd-redis --from-file=url="$work/url" --from-file=users.acl="$work/users.acl"

@@ -11,6 +11,7 @@ snapshot as they were. A refresh that fails keeps the previous snapshot and reco
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -136,6 +137,15 @@ class KeyManager:
             self._document = verified.document
             self._stamp = stamp
             self._verified_at = time.monotonic()
+            log.info(
+                "keyring loaded",
+                extra={
+                    "generation": self._keyring.generation,
+                    "keys": len(self._keyring),
+                    "pid": os.getpid(),
+                    "store": self.store.backend,
+                },
+            )
             return self._keyring
 
     def refresh(self, *, force: bool = False) -> bool:
@@ -181,7 +191,7 @@ class KeyManager:
             self._reload_outcome(None)
             log.info(
                 "keyring loaded",
-                extra={"generation": keyring.generation, "keys": len(keyring)},
+                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
             )
             return True
 
@@ -248,7 +258,7 @@ class KeyManager:
                 self._stamp = _UNSET  # the next check reads the store again
             log.info(
                 "keyring changed",
-                extra={"generation": keyring.generation, "keys": len(keyring)},
+                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
             )
             return keyring, result
 

@@ -32,10 +32,11 @@ import threading
 from collections.abc import AsyncGenerator, Hashable, Iterator
 from typing import Any
 
+import orjson
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_loads
 
 from service.keys.document import RawDocument
 from service.keys.store import IntegrityError, NotInitialised, StoreUnavailable
@@ -129,7 +130,9 @@ class PostgresKeyStore:
     # Connections ----------------------------------------------------------------------------
 
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self._conninfo, autocommit=True)
+        conn = psycopg.connect(self._conninfo, autocommit=True)
+        set_json_loads(orjson.loads, conn)
+        return conn
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[psycopg.Connection[Any]]:
@@ -278,12 +281,14 @@ def _read(conn: psycopg.Connection[Any]) -> RawDocument | None:
     schema_version, fmt, deployment_id, master_key_id, generation, mac = header
     _check_schema(schema_version)
     keys: dict[str, dict[str, Any]] = {}
-    for name, record in conn.execute("SELECT name, record FROM cryptd_keys"):
+    # Binary results: bytea arrives as bytes, not hex text (half the snapshot's CPU here).
+    for name, record in conn.execute("SELECT name, record FROM cryptd_keys", binary=True):
         if not isinstance(record, dict) or "versions" in record:
             raise IntegrityError(f"malformed row in cryptd_keys (key {str(name)[:128]!r})")
         keys[name] = {**record, "versions": []}
     rows = conn.execute(
-        "SELECT name, version, record, material FROM cryptd_key_versions ORDER BY name, version"
+        "SELECT name, version, record, material FROM cryptd_key_versions ORDER BY name, version",
+        binary=True,
     )
     for name, version, record, material in rows:
         where = f"key {str(name)[:128]!r} version {version}"
