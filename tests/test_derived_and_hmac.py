@@ -28,7 +28,7 @@ from service import engine
 from service.crypto.registry import KEY_TYPES
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
 from service.keys.manager import KeyManager
-from service.keys.store import KeyringFile, KeyringFileError
+from service.keys.store import KeystoreError
 from tests.test_token import new_manager
 
 ROOT = Path(__file__).parent.parent
@@ -534,10 +534,10 @@ def test_flags_the_type_cannot_have_are_refused(
     tmp_path: Path, type_name: str, derived: bool, convergent: bool, message: str
 ) -> None:
     manager = new_manager(tmp_path)
-    before = manager.file.path.read_bytes()
+    before = manager.store.path.read_bytes()
     with pytest.raises(InvalidRequest, match=message):
         manager.create("k", type_name, derived=derived, convergent=convergent)
-    assert manager.file.path.read_bytes() == before  # nothing stored
+    assert manager.store.path.read_bytes() == before  # nothing stored
 
 
 def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> None:
@@ -546,13 +546,13 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
     manager.create("p", "aes256-gcm")
     token = encrypt(manager, "c", b"x", context=b"t")
     master = manager._master
-    reloaded = KeyManager(manager.file.path, master)
+    reloaded = KeyManager(manager.store.path, master)
     reloaded.load()
     meta = reloaded.keyring.key("c").metadata()
     assert (meta["derived"], meta["convergent"]) == (True, True)
     assert (reloaded.keyring.key("p").metadata()["derived"]) is False
     assert ok(one(reloaded, "decrypt", "c", engine.DecryptItem(token, context=b"t")))
-    raw = json.loads(manager.file.path.read_text())
+    raw = json.loads(manager.store.path.read_text())
     assert raw["keys"]["c"]["derived"] is True
     assert raw["keys"]["c"]["convergent"] is True
     assert "derived" not in raw["keys"]["p"]  # written only when true
@@ -562,19 +562,19 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
         lambda keys: keys["c"].update(derived=False),
         lambda keys: keys["p"].update(derived=True),
     ):
-        changed = json.loads(manager.file.path.read_text())
+        changed = json.loads(manager.store.path.read_text())
         edit(changed["keys"])
-        manager.file.path.write_text(json.dumps(changed))
-        with pytest.raises(KeyringFileError, match="integrity"):
-            KeyringFile(manager.file.path).load(master)
-        manager.file.path.write_text(json.dumps(raw))
+        manager.store.path.write_text(json.dumps(changed))
+        with pytest.raises(KeystoreError, match="integrity"):
+            KeyManager(manager.store.path, master).load()
+        manager.store.path.write_text(json.dumps(raw))
     for bad in ("yes", 1, None):
-        changed = json.loads(manager.file.path.read_text())
+        changed = json.loads(manager.store.path.read_text())
         changed["keys"]["c"]["derived"] = bad
-        manager.file.path.write_text(json.dumps(changed))
-        with pytest.raises(KeyringFileError):
-            KeyringFile(manager.file.path).read()
-    manager.file.path.write_text(json.dumps(raw))
+        manager.store.path.write_text(json.dumps(changed))
+        with pytest.raises(KeystoreError):
+            KeyManager(manager.store.path, master).load()
+    manager.store.path.write_text(json.dumps(raw))
 
 
 def test_batch_of_contexts_one_bad_item(manager: KeyManager) -> None:

@@ -92,6 +92,9 @@ class KeyMetadata(_Answer):
     deletion_allowed: bool
     derived: bool = Field(description="Every operation takes a context (HKDF-derived keys).")
     convergent: bool = Field(description="Same plaintext, aad and context: same ciphertext.")
+    auto_rotate_period: int = Field(
+        ge=0, description="Seconds between automatic rotations (0: none)."
+    )
 
 
 class KeyVersionInfo(_Answer):

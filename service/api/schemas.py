@@ -27,6 +27,7 @@ from service.engine import (
     VerifyItem,
 )
 from service.errors import InvalidRequest, SchemaError
+from service.keys.manager import MAX_AUTO_ROTATE_PERIOD
 
 MAX_SIGNER_ID_BYTES = 255
 MAX_RANDOM_BYTES = 65536
@@ -190,7 +191,13 @@ class CreateKeyRequest(_Body):
     deletion_allowed: bool = False
     derived: bool = False
     convergent: bool = False
-    auto_rotate_period: int = Field(default=0, ge=0)
+    auto_rotate_period: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_AUTO_ROTATE_PERIOD,
+        description="Seconds between automatic rotations; 0: none (at least 3600 outside "
+        "development).",
+    )
 
 
 def _some_change(schema: dict[str, Any]) -> None:
@@ -202,7 +209,7 @@ class UpdateKeyRequest(_Body):
     model_config = ConfigDict(json_schema_extra=_some_change)
     min_decryption_version: VersionNumber | None = None
     deletion_allowed: bool | None = None
-    auto_rotate_period: int | None = Field(default=None, ge=0)
+    auto_rotate_period: int | None = Field(default=None, ge=0, le=MAX_AUTO_ROTATE_PERIOD)
 
 
 def parse_update(body: bytes) -> UpdateKeyRequest:
