@@ -14,7 +14,7 @@ import orjson
 from service.config import decode_master_key
 from service.crypto.registry import KEY_TYPES
 from service.keys.admin import initialise
-from service.keys.manager import KeyManager
+from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore, open_store
 
@@ -44,7 +44,10 @@ def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
     if create and store.backend == "file" and store.read() is None:
         initialise(store, master)
         print(f"created empty keyring {store.description}", file=sys.stderr)
-    manager = KeyManager(store, master, min_auto_rotate_period=1)
+    development = os.environ.get("CRYPTD_ENV") == "development"
+    manager = KeyManager(
+        store, master, min_auto_rotate_period=1 if development else MIN_AUTO_ROTATE_PERIOD
+    )
     manager.load()
     return manager
 

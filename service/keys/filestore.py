@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-from collections.abc import AsyncIterator, Hashable, Iterator
+from collections.abc import AsyncGenerator, Hashable, Iterator
 from pathlib import Path
 
 import orjson
@@ -52,7 +52,7 @@ class FileKeyStore:
         with self._flock(f".{purpose}.lock", blocking=False) as held:
             yield held
 
-    def notifications(self) -> AsyncIterator[None] | None:
+    def notifications(self) -> AsyncGenerator[None, None] | None:
         return None  # polled: one stat per interval
 
     def close(self) -> None:

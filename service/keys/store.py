@@ -13,7 +13,7 @@ Backends, one module each: :mod:`service.keys.filestore` (a JSON file, the defau
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncGenerator, Hashable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
@@ -70,7 +70,7 @@ class KeyStore(Protocol):
         """A lock named ``purpose`` held by at most one process of every replica sharing the
         store; yields False at once when another holds it."""
 
-    def notifications(self) -> AsyncIterator[None] | None:
+    def notifications(self) -> AsyncGenerator[None, None] | None:
         """Push notifications of changes, or None when the store has none (then the stamp is
         polled). Yields after every (re)connection too: a change may have been missed."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from service.keys.manager import KeyManager
 
@@ -55,7 +55,11 @@ class KeyringWatcher:
                 await self._task
 
     async def after_miss(self, since: float) -> None:
-        """Return once a store check that started at or after loop time ``since`` is done."""
+        """Return once a store check that started at or after loop time ``since`` is done.
+        While the store is known to be unreachable, at once: the keys in memory answer, and
+        the periodic check reconnects (a miss must not wait for a connection timeout)."""
+        if self._manager.store_unreachable is not None:
+            return
         await self._check(since, rate_limited=True)
 
     def now(self) -> float:
@@ -104,9 +108,12 @@ class KeyringWatcher:
             except Exception as exc:  # refresh never raises; this is the last guard
                 log.error("keyring check failed", extra={"error_type": type(exc).__name__})
 
-    async def _listen(self, stream: object) -> None:
-        async for _ in stream:  # type: ignore[attr-defined]
-            try:
-                await self.refresh()
-            except Exception as exc:
-                log.error("keyring check failed", extra={"error_type": type(exc).__name__})
+    async def _listen(self, stream: AsyncGenerator[None, None]) -> None:
+        try:
+            async for _ in stream:
+                try:
+                    await self.refresh()
+                except Exception as exc:
+                    log.error("keyring check failed", extra={"error_type": type(exc).__name__})
+        finally:
+            await stream.aclose()  # closes the listening connection when cancelled
