@@ -12,7 +12,16 @@ from service.errors import CryptdError
 from service.keys.store import KeystoreError
 
 # Modules that add subcommands; each defines register(subparsers) and sets ``func`` on its parser.
-_COMMAND_MODULES = ("serve", "keys", "keystore", "master_key", "clients", "call", "bench", "migrate")
+_COMMAND_MODULES = (
+    "serve",
+    "keys",
+    "keystore",
+    "master_key",
+    "clients",
+    "call",
+    "bench",
+    "migrate",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
