@@ -76,7 +76,7 @@ def test_a_key_created_on_one_replica_is_served_by_the_other_at_once(
 def test_concurrent_rotations_on_both_replicas_lose_no_version(pair: list[Server]) -> None:
     a, b = pair
     assert a.request("POST", "/v1/keys/spin", {"type": "aes256-gcm"}).status_code == 201
-    per_thread, threads_per_replica = 6, 2
+    per_thread, threads_per_replica = 3, 2
     versions: list[int] = []
     statuses: Counter[int] = Counter()
     lock = threading.Lock()

@@ -57,8 +57,8 @@ DEFAULTS = {
     "keepalives_interval": "5",
     "keepalives_count": "3",
 }
-LOCK_TIMEOUT = "10s"  # a writer waits this long for another replica's change
-STATEMENT_TIMEOUT = "30s"
+LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
+STATEMENT_TIMEOUT = "60s"
 LISTEN_KEEPALIVE = 30.0  # seconds without a notification before the connection is probed
 RECONNECT_DELAY = (0.2, 10.0)
 
