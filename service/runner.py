@@ -90,8 +90,7 @@ class CryptoRunner:
             return results
         if executor.kind == "process":
             tasks = [
-                executor.run(worker.run_chunk, keyring.digest, op, name, chunk)
-                for chunk in chunks
+                executor.run(worker.run_chunk, keyring.digest, op, name, chunk) for chunk in chunks
             ]
         else:
             tasks = [
