@@ -743,10 +743,17 @@ def readme_table(
 ) -> str:
     """The README's table: the main comparison, the ceiling and the mix, in a few lines."""
     cfg = result["config"]
+    shares = [c.cryptd.others_cpu_share for c in comparisons if c.cryptd.others_cpu_share]
+    others = (
+        f"; other processes used {statistics.median(shares) * result['machine']['cores']:.2f}"
+        " cores during the measurements"
+        if shares
+        else ""
+    )
     lines = [
         f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
-        f"load average {' '.join(result['machine']['loadavg'])} at start), reproduced by "
-        f"`{cfg['command']}`:",
+        f"load average {' '.join(result['machine']['loadavg'])} at start{others}), reproduced "
+        f"by `{cfg['command']}`:",
         "",
         comparison_table(comparisons, cfg.get("server_cores", 1)),
     ]
