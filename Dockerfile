@@ -11,19 +11,30 @@
 # Base: python:3.11.16-slim-bookworm, pinned by tag (readable) and by the digest of its
 # multi-architecture index (immutable). Debian bookworm's libssl3 (OpenSSL 3.0) has SM2, which
 # cryptd binds through cffi; docker/check_libcrypto.py fails the build if that ever changes.
+# The base is a build argument: without a registry, build on one made from Debian's packages
+# (docker/debian-base.sh; docs/DEPLOY.md section 1.1 lists how it differs), as CI does.
 ARG PYTHON_IMAGE=python:3.11.16-slim-bookworm@sha256:528257d48c1da0dcecc2e725d1ae34498d60c965f1241e39cd6a85a8859bdf84
 
 FROM ${PYTHON_IMAGE} AS build
 
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
 COPY docker/constraints.txt docker/constraints.txt
 COPY pyproject.toml README.md ./
 COPY service/ service/
-RUN python -m pip wheel --wheel-dir /wheels --only-binary=:all: \
+# The light client the server's CLI signs with (pyproject.toml: packages found in client/ too).
+COPY client/cryptd_client/ client/cryptd_client/
+# The only step that downloads. pip's download cache is a cache mount: kept by the builder
+# between builds, never in a layer. A builder whose HTTPS goes through a TLS-inspecting proxy
+# passes its CA bundle as the build secret "ca-certificates" (docker build --secret
+# id=ca-certificates,src=FILE); it covers the image's own bundle for this step only and enters
+# no layer either. Without the secret the image's bundle is used.
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=ca-certificates,target=/etc/ssl/certs/ca-certificates.crt,required=false \
+    python -m pip wheel --wheel-dir /wheels --only-binary=:all: \
         --constraint docker/constraints.txt . \
     && ls /wheels/cryptd-*.whl
 
@@ -42,8 +53,9 @@ RUN groupadd --system --gid 10001 cryptd \
 # Offline install from the build stage's wheels. pip compiles the .pyc files here, at build
 # time, so nothing needs writing at run time; then pip, setuptools and wheel leave the image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python -m pip install --no-cache-dir --no-index --find-links=/wheels /wheels/cryptd-*.whl \
-    && python -m pip uninstall --yes pip setuptools wheel
+    python -m pip install --no-cache-dir --no-index --root-user-action=ignore \
+        --find-links=/wheels /wheels/cryptd-*.whl \
+    && python -m pip uninstall --yes --root-user-action=ignore pip setuptools wheel
 
 COPY --chmod=0555 docker/entrypoint.sh /usr/local/bin/cryptd-entrypoint
 COPY --chmod=0444 docker/healthcheck.py docker/check_libcrypto.py /usr/local/lib/cryptd/

@@ -33,7 +33,12 @@ from tests.test_k8s_support import (
 
 DOCKERFILE = ROOT / "Dockerfile"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
-SHELL_SCRIPTS = [ENTRYPOINT, *sorted((K8S / "scripts").glob("*.sh"))]
+SHELL_SCRIPTS = [
+    ENTRYPOINT,
+    ROOT / "docker" / "debian-base.sh",
+    ROOT / ".ci" / "build-image",
+    *sorted((K8S / "scripts").glob("*.sh")),
+]
 NOBODY = 65534
 EX_CONFIG = 78
 
@@ -140,8 +145,23 @@ def test_wheels_are_built_in_the_first_stage_and_installed_offline(dockerfile: s
     runtime_runs = " ".join(args for keyword, args in runtime if keyword == "RUN")
     assert "from=build" in runtime_runs
     assert "--no-index" in runtime_runs
-    assert "pip uninstall --yes pip" in runtime_runs
+    assert re.search(r"pip uninstall --yes( --\S+)* pip setuptools wheel", runtime_runs)
     assert not any(keyword == "ADD" for keyword, _ in runtime)
+
+
+def test_downloads_happen_in_the_build_stage_only(dockerfile: str) -> None:
+    # The build secret (a CA bundle) and pip's cache are mounted for the wheel step only; the
+    # runtime stage mounts nothing but the build stage's wheels.
+    build, *_, runtime = stages(dockerfile)
+    wheel_step = next(args for keyword, args in build if keyword == "RUN" and "pip wheel" in args)
+    assert "--mount=type=secret,id=ca-certificates,target=/etc/ssl/certs/ca-certificates.crt," in (
+        wheel_step
+    )
+    assert "required=false" in wheel_step
+    assert "--mount=type=cache,target=/root/.cache/pip" in wheel_step
+    mounts = re.findall(r"--mount=(\S+)", " ".join(a for k, a in runtime if k == "RUN"))
+    assert mounts == ["type=bind,from=build,source=/wheels,target=/wheels"]
+    assert "--no-cache-dir" in " ".join(a for k, a in runtime if k == "RUN")
 
 
 def test_runtime_runs_as_a_numeric_non_root_user_matching_the_deployment(
@@ -255,6 +275,7 @@ def test_every_copied_file_is_in_the_build_context(
         "keyring.json",
         "service/__pycache__/app.cpython-311.pyc",
         "docker/update_constraints.py",
+        "docker/debian-base.sh",
         "loadtest/results/run.json",
     ],
 )

@@ -1,0 +1,751 @@
+"""The built container image, run the way Kubernetes runs it (k8s/base/deployment.yaml).
+
+`.ci/build-image DIR` builds the Dockerfile with buildah and exports the image's root filesystem
+and configuration; CRYPTD_IMAGE_DIR names that directory. No container engine runs here, so
+this module does an engine's work itself, from the image's own configuration and the
+Deployment: private mount, PID, IPC and UTS namespaces; the image's root filesystem mounted
+read-only; the Deployment's Secrets mounted read-only the way the kubelet lays them out, its
+emptyDirs as size-limited tmpfs, /dev, /dev/shm and /proc as an engine provides them; the
+image's user with every capability dropped and no_new_privs; the image's entrypoint and
+environment plus the ConfigMap's settings. The host's network is shared, so the port is a free
+one and the address loopback; nothing else is overridden.
+
+Then: signed requests through the project's client (AES-GCM, SM2 through the image's
+libcrypto, RSA on the process pool), the image's HEALTHCHECK command and the Deployment's
+preStop command executed inside the container as the image's user, and SIGTERM to PID 1 with a
+request in flight: the request is answered and the container exits 0.
+
+Without CRYPTD_IMAGE_DIR the module skips, except under CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.client import ConflictError, CryptdClient
+from tests.test_k8s_support import (
+    IN_CI,
+    K8S,
+    ROOT,
+    cryptd_shim,
+    free_port,
+    load_docs,
+    publish_secret,
+    require_cli,
+    tool,
+    world_tempdir,
+)
+
+pytestmark = pytest.mark.slow
+
+LAUNCH = Path(__file__).with_name("container_launch.py")
+GRACE_SECONDS = 40  # terminationGracePeriodSeconds (45) less the preStop hook (5)
+LONG_BATCH = 200  # RSA-4096 signatures in the request that is in flight at SIGTERM
+
+
+# --- the image and the Deployment ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    rootfs: Path
+    document: dict[str, Any]  # the image configuration (docker format, as built)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        config: dict[str, Any] = self.document["config"]
+        return config
+
+    def env(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.config.get("Env") or [])
+
+    def user(self) -> tuple[int, int]:
+        uid, _, gid = self.config["User"].partition(":")
+        return int(uid), int(gid)
+
+    def path(self, inside: str) -> Path:
+        return self.rootfs / inside.lstrip("/")
+
+
+@pytest.fixture(scope="module")
+def image() -> Image:
+    directory = os.environ.get("CRYPTD_IMAGE_DIR", "")
+    problem = ""
+    if not directory:
+        problem = "CRYPTD_IMAGE_DIR is not set: build the image with .ci/build-image DIR"
+    elif not (Path(directory) / "image.json").is_file():
+        problem = f"CRYPTD_IMAGE_DIR={directory} holds no exported image (.ci/build-image DIR)"
+    elif os.geteuid() != 0:
+        problem = "running the image needs root (mount and PID namespaces, chroot)"
+    if problem:
+        if IN_CI:
+            pytest.fail(problem)
+        pytest.skip(problem)
+    path = Path(directory)
+    return Image(path / "rootfs", json.loads((path / "image.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def pod() -> dict[str, Any]:
+    deployment = next(
+        doc for doc in load_docs(K8S / "base" / "deployment.yaml") if doc["kind"] == "Deployment"
+    )
+    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return spec
+
+
+def _container_spec(pod: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = next(c for c in pod["containers"] if c["name"] == "cryptd")
+    return container
+
+
+def _config_map(name: str) -> dict[str, str]:
+    kustomization = load_docs(K8S / "base" / "kustomization.yaml")[0]
+    generator = next(g for g in kustomization["configMapGenerator"] if g["name"] == name)
+    return dict(item.split("=", 1) for item in generator.get("literals", []))
+
+
+def _size(quantity: str) -> str:
+    """A Kubernetes quantity (64Mi) as a tmpfs size option (64m)."""
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", quantity)
+    assert match, f"size limit {quantity!r} not understood"
+    return match.group(1) + match.group(2)[0].lower()
+
+
+# --- a container, run as the Deployment describes it -------------------------------------------
+
+
+@dataclass
+class Container:
+    """One run of the image: secrets on the host, the namespaces, PID 1 and its log."""
+
+    image: Image
+    pod: dict[str, Any]
+    secrets: dict[str, dict[str, bytes]]
+    work: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return _container_spec(self.pod)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / "container.log"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def user(self) -> tuple[int, int]:
+        context = {**self.pod.get("securityContext", {}), **self.spec.get("securityContext", {})}
+        return context["runAsUser"], context["runAsGroup"]
+
+    def environment(self) -> dict[str, str]:
+        """The image's environment, then the Deployment's envFrom and env, as the kubelet
+        composes them; then the two overrides the shared network needs."""
+        env = self.image.env()
+        for source in self.spec.get("envFrom", []):
+            env.update(_config_map(source["configMapRef"]["name"]))
+        for item in self.spec.get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            else:
+                ref = item["valueFrom"]["secretKeyRef"]
+                env[item["name"]] = self.secrets[ref["name"]][ref["key"]].decode()
+        env.update({"CRYPTD_HOST": "127.0.0.1", "CRYPTD_PORT": str(self.port)})
+        return env
+
+    def command(self) -> list[str]:
+        entrypoint = self.spec.get("command", self.image.config.get("Entrypoint") or [])
+        args = self.spec["args"] if "args" in self.spec else self.image.config.get("Cmd") or []
+        return [*entrypoint, *args]
+
+    def _mounts(self) -> list[str]:
+        """Shell lines mounting the Deployment's volumes over the read-only root."""
+        root = self.image.rootfs
+        fs_group = self.pod["securityContext"]["fsGroup"]
+        volumes = {v["name"]: v for v in self.pod["volumes"]}
+        q = shlex.quote
+        lines: list[str] = []
+        for mount in self.spec["volumeMounts"]:
+            volume = volumes[mount["name"]]
+            target = q(str(root / mount["mountPath"].lstrip("/")))
+            if "secret" in volume:
+                name = volume["secret"]["secretName"]
+                assert name in self.secrets, f"the test does not provide Secret {name}"
+                assert mount.get("readOnly"), f"Secret {name} mounted writable"
+                assert "subPath" not in mount
+                source = self.work / "secrets" / name
+                publish_secret(source, self.secrets[name])
+                mode = volume["secret"].get("defaultMode", 0o644)
+                for path in source.rglob("*"):
+                    os.lchown(path, 0, fs_group)
+                    if path.is_file() and not path.is_symlink():
+                        path.chmod(mode)
+                lines += [
+                    f"mount --bind {q(str(source))} {target}",
+                    f"mount -o remount,bind,ro {target}",
+                ]
+            elif "emptyDir" in volume:
+                size = _size(volume["emptyDir"]["sizeLimit"])
+                # The kubelet's emptyDir: mode 0777, group-owned by the fsGroup, setgid.
+                lines.append(
+                    f"mount -t tmpfs -o nosuid,nodev,size={size},mode=2777,gid={fs_group} "
+                    f"tmpfs {target}"
+                )
+            else:
+                pytest.fail(f"volume {mount['name']}: only secret and emptyDir are emulated")
+        return lines
+
+    def start(self) -> None:
+        root = self.image.rootfs
+        # Mount points, made before the root turns read-only (an engine makes them in the
+        # container's own layer).
+        for mount in self.spec["volumeMounts"]:
+            (root / mount["mountPath"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+        uid, gid = self.user()
+        launch = {
+            "root": str(root),
+            "uid": uid,
+            "gid": gid,
+            "cwd": self.image.config.get("WorkingDir") or "/",
+            "env": self.environment(),
+            "argv": self.command(),
+        }
+        q = shlex.quote
+        r = q(str(root))
+        devices = ("null", "zero", "full", "random", "urandom", "tty")
+        script = [
+            "set -eu",
+            f"mount --bind {r} {r}",
+            f"mount -o remount,bind,ro,nosuid,nodev {r}",
+            f"mount -t proc -o nosuid,nodev,noexec proc {r}/proc",
+            f"mount -t sysfs -o ro,nosuid,nodev,noexec sysfs {r}/sys",
+            f"mount -t tmpfs -o nosuid,mode=0755,size=64k tmpfs {r}/dev",
+            *[f"touch {r}/dev/{d} && mount --bind /dev/{d} {r}/dev/{d}" for d in devices],
+            f"mkdir {r}/dev/shm {r}/dev/pts",
+            f"mount -t tmpfs -o nosuid,nodev,noexec,mode=1777,size=64m shm {r}/dev/shm",
+            f"ln -s /proc/self/fd {r}/dev/fd",
+            *[
+                f"ln -s /proc/self/fd/{n} {r}/dev/{name}"
+                for n, name in enumerate(("stdin", "stdout", "stderr"))
+            ],
+            *self._mounts(),
+            f"exec {q(sys.executable)} {q(str(LAUNCH))} {q(json.dumps(launch))}",
+        ]
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    tool("unshare"),
+                    "--mount",
+                    "--pid",
+                    "--ipc",
+                    "--uts",
+                    "--fork",
+                    "--kill-child",
+                    "--propagation",
+                    "private",
+                    "/bin/bash",
+                    "-c",
+                    "\n".join(script),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def pid1(self) -> int:
+        """The host's PID of the container's PID 1 (the forked child of unshare)."""
+        assert self.process is not None
+        for _ in range(100):
+            for status in Path("/proc").glob("[0-9]*/status"):
+                with contextlib.suppress(OSError, ValueError):
+                    fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines())
+                    if int(fields["PPid"]) == self.process.pid:
+                        return int(status.parent.name)
+            time.sleep(0.05)
+        pytest.fail("the container's PID 1 was not found")
+
+    def exec(
+        self, argv: list[str], *, env: dict[str, str] | None = None, as_root: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command inside the running container (its mount and PID namespaces, its root,
+        the image's user and environment), as `kubectl exec` or an engine's HEALTHCHECK does."""
+        uid, gid = self.user()
+        launch = {
+            "root": str(self.image.rootfs),
+            "uid": uid,
+            "gid": gid,
+            "cwd": self.image.config.get("WorkingDir") or "/",
+            "env": env if env is not None else self.environment(),
+            "argv": argv,
+            "keep_privileges": as_root,
+        }
+        return subprocess.run(
+            [
+                tool("nsenter"),
+                "--target",
+                str(self.pid1()),
+                "--mount",
+                "--pid",
+                "--",
+                sys.executable,
+                str(LAUNCH),
+                json.dumps(launch),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        probe = self.spec["readinessProbe"]["httpGet"]["path"]
+        deadline = time.monotonic() + timeout
+        assert self.process is not None
+        while True:
+            assert self.process.poll() is None, self.log()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + probe, timeout=1).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, "not ready:\n" + self.log()[-3000:]
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGKILL to PID 1, which ends every process of its PID namespace."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid1(), signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+def _secrets(work: Path, redis_url: str) -> tuple[dict[str, dict[str, bytes]], tuple[str, str]]:
+    """The Deployment's Secrets, made with the project's CLI: a master key, a keyring with the
+    keys the tests use, one client allowed everything (key management included). Returns them
+    and the client's (id, secret)."""
+    cryptd = str(cryptd_shim(work / "bin"))
+    made = work / "made"
+    made.mkdir()
+    master, keyring, clients = made / "master.key", made / "keyring.json", made / "clients.json"
+    subprocess.run([cryptd, "master-key", "generate", "--out", str(master)], check=True)
+    for name, key_type in (("payments", "aes256-gcm"), ("seal", "sm2"), ("bulk", "rsa-4096")):
+        subprocess.run(
+            [
+                cryptd,
+                "keys",
+                "create",
+                name,
+                "--type",
+                key_type,
+                "--keyring",
+                str(keyring),
+                "--master-key-file",
+                str(master),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    added = subprocess.run(
+        [cryptd, "clients", "add", "app", "--admin", "--allow", "*:*", "--file", str(clients)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    secret = added.stdout.split()[0]
+    secrets = {
+        "cryptd-master-key": {"master.key": master.read_bytes()},
+        "cryptd-keyring": {"keyring.json": keyring.read_bytes()},
+        "cryptd-clients": {"clients.json": clients.read_bytes()},
+        "cryptd-redis": {"url": redis_url.encode()},
+    }
+    return secrets, ("app", secret)
+
+
+@dataclass
+class Running:
+    container: Container
+    client_id: str
+    secret: str
+
+    def client(self, timeout: float = 30, retries: int = 3) -> CryptdClient:
+        return CryptdClient(
+            self.container.url, self.client_id, self.secret, timeout=timeout, retries=retries
+        )
+
+
+@contextlib.contextmanager
+def running(image: Image, pod: dict[str, Any], redis_url: str) -> Iterator[Running]:
+    require_cli()
+    with world_tempdir() as work:
+        secrets, (client_id, secret) = _secrets(work, redis_url)
+        container = Container(image, pod, secrets, work)
+        container.start()
+        try:
+            container.wait_ready()
+            yield Running(container, client_id, secret)
+        finally:
+            container.stop()
+
+
+@pytest.fixture(scope="module")
+def served(image: Image, pod: dict[str, Any], redis_url: str) -> Iterator[Running]:
+    with running(image, pod, redis_url) as run:
+        yield run
+
+
+# --- the image as built ------------------------------------------------------------------------
+
+
+def test_image_metadata_agrees_with_the_deployment(image: Image, pod: dict[str, Any]) -> None:
+    container = _container_spec(pod)
+    config = image.config
+    context = {**pod["securityContext"], **container["securityContext"]}
+    assert image.user() == (context["runAsUser"], context["runAsGroup"])
+    assert image.user()[0] != 0
+    ports = {f"{p['containerPort']}/{p['protocol'].lower()}" for p in container["ports"]}
+    assert set(config["ExposedPorts"]) == ports
+    assert config["StopSignal"] == "SIGTERM"
+    assert config["Entrypoint"] == ["/usr/local/bin/cryptd-entrypoint"]
+    health = config["Healthcheck"]
+    assert health["Test"][0] == "CMD"  # exec form: no shell
+    assert health["Timeout"] <= 3 * 10**9
+    env = image.env()
+    literals = _config_map("cryptd-config")
+    shared = set(env) & set(literals)
+    assert {name: env[name] for name in shared} == {name: literals[name] for name in shared}
+
+
+@pytest.mark.parametrize("package", ["service", "client/cryptd_client"])
+def test_image_holds_this_checkouts_code(image: Image, package: str) -> None:
+    # The image must be built from what is tested: every module, byte for byte.
+    name = package.rsplit("/", 1)[-1]
+    installed = list(image.rootfs.glob(f"usr/local/lib/python3*/*-packages/{name}"))
+    assert len(installed) == 1, f"{name} is not installed in the image"
+    source = {p.relative_to(ROOT / package): p for p in (ROOT / package).rglob("*.py")}
+    built = {p.relative_to(installed[0]): p for p in installed[0].rglob("*.py")}
+    assert source
+    assert set(built) == set(source), "rebuild the image: .ci/build-image"
+    stale = [
+        str(rel) for rel, path in source.items() if path.read_bytes() != built[rel].read_bytes()
+    ]
+    assert not stale, f"rebuild the image (.ci/build-image): {stale}"
+
+
+def test_image_scripts_are_this_checkouts(image: Image) -> None:
+    for inside, checkout in (
+        ("/usr/local/bin/cryptd-entrypoint", "docker/entrypoint.sh"),
+        ("/usr/local/lib/cryptd/healthcheck.py", "docker/healthcheck.py"),
+        ("/usr/local/lib/cryptd/check_libcrypto.py", "docker/check_libcrypto.py"),
+    ):
+        assert image.path(inside).read_bytes() == (ROOT / checkout).read_bytes(), inside
+
+
+def _image_python(image: Image) -> dict[str, str]:
+    """The image's interpreter as a PEP 508 marker environment."""
+    probe = subprocess.run(
+        [
+            tool("chroot"),
+            str(image.rootfs),
+            "python",
+            "-c",
+            "import json, platform, sys; print(json.dumps({'python_full_version': "
+            "platform.python_version(), 'python_version': '%d.%d' % sys.version_info[:2], "
+            "'sys_platform': sys.platform}))",
+        ],
+        env={"PATH": image.env()["PATH"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found: dict[str, str] = json.loads(probe.stdout)
+    return found
+
+
+def test_image_installs_the_pinned_dependencies(image: Image) -> None:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    lock = _module(ROOT / "docker" / "update_constraints.py")
+    pins = lock.read_constraints()
+    packages = next(image.rootfs.glob("usr/local/lib/python3*/*-packages"))
+    installed: dict[str, str] = {}
+    requires: list[Requirement] = []
+    for metadata in packages.glob("*.dist-info/METADATA"):
+        headers = [
+            line.split(": ", 1) for line in metadata.read_text().splitlines() if ": " in line
+        ]
+        name = next(v for k, v in headers if k == "Name")
+        installed[lock.canonical(name)] = next(v for k, v in headers if k == "Version")
+        requires += [Requirement(v) for k, v in headers if k == "Requires-Dist"]
+    assert installed.pop("cryptd") == _project_version()
+    assert {name: installed.get(name) for name in pins} == pins
+    # Anything beyond the pins is there only because the image's Python is older than the
+    # tested one (docs/DEPLOY.md: Debian's 3.11.2 makes redis add async-timeout).
+    image_env = {**default_environment(), **_image_python(image), "extra": ""}
+    tested_env = {**default_environment(), "extra": ""}
+    for name in set(installed) - set(pins):
+        reasons = [
+            r
+            for r in requires
+            if lock.canonical(r.name) == name
+            and r.marker is not None
+            and r.marker.evaluate(image_env)
+            and not r.marker.evaluate(tested_env)
+        ]
+        assert reasons, f"{name} {installed[name]} is installed but not pinned"
+
+
+def _module(path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _project_version() -> str:
+    import tomllib
+
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        version: str = tomllib.load(fh)["project"]["version"]
+    return version
+
+
+def test_image_files_and_modes(image: Image) -> None:
+    uid, gid = image.user()
+    assert stat.S_IMODE(image.path("/usr/local/bin/cryptd-entrypoint").stat().st_mode) == 0o555
+    for script in ("healthcheck.py", "check_libcrypto.py"):
+        mode = image.path(f"/usr/local/lib/cryptd/{script}").stat().st_mode
+        assert stat.S_IMODE(mode) == 0o444
+    metrics = image.path(image.env()["PROMETHEUS_MULTIPROC_DIR"]).stat()
+    assert (metrics.st_uid, metrics.st_gid, stat.S_IMODE(metrics.st_mode)) == (uid, gid, 0o750)
+    # pip, setuptools and wheel left the runtime stage; the service's console script is there.
+    packages = next(image.rootfs.glob("usr/local/lib/python3*/*-packages"))
+    assert not [p.name for p in packages.iterdir() if re.match(r"(pip|setuptools|wheel)\b", p.name)]
+    assert not image.path("/usr/local/bin/pip").exists()
+    assert os.access(image.path("/usr/local/bin/cryptd"), os.X_OK)
+    # Nothing the image's user could change: no world-writable path but sticky directories,
+    # nothing owned by that user but the metrics directory.
+    writable, owned = [], []
+    for path in image.rootfs.rglob("*"):
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if st.st_mode & stat.S_IWOTH and not (
+            stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+        ):
+            writable.append(str(path.relative_to(image.rootfs)))
+        if st.st_uid == uid:
+            owned.append(str(path.relative_to(image.rootfs)))
+    assert writable == []
+    assert owned == [image.env()["PROMETHEUS_MULTIPROC_DIR"].lstrip("/")]
+
+
+def test_prestop_command_needs_no_shell(image: Image, pod: dict[str, Any]) -> None:
+    # The Deployment execs its preStop command directly: it must exist on the image's PATH.
+    command = _container_spec(pod)["lifecycle"]["preStop"]["exec"]["command"]
+    found = [
+        image.path(f"{directory}/{command[0]}")
+        for directory in image.env()["PATH"].split(":")
+        if os.access(image.path(f"{directory}/{command[0]}"), os.X_OK)
+    ]
+    assert found, f"{command[0]} is not on the image's PATH"
+
+
+# --- the image running ---------------------------------------------------------------------------
+
+
+def _status(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return {k: v.strip() for k, v in (line.split(":", 1) for line in text.splitlines())}
+
+
+def test_serves_signed_requests(served: Running) -> None:
+    with served.client() as cryptd:
+        token = cryptd.encrypt("payments", b"card 4111").ciphertext
+        assert cryptd.decrypt("payments", token).plaintext == b"card 4111"
+        # SM2 goes to the image's own libcrypto.
+        signature = cryptd.sign("seal", b"statement").signature
+        assert cryptd.verify("seal", b"statement", signature=signature)
+        assert not cryptd.verify("seal", b"statement!", signature=signature)
+        # RSA-4096 runs on the process pool (fork, semaphores on /dev/shm).
+        signed = cryptd.sign_batch("bulk", [b"a", b"b", b"c"])
+        assert all(not isinstance(item, Exception) for item in signed)
+        # Key management would write the read-only keyring Secret: refused, not attempted.
+        with pytest.raises(ConflictError):
+            cryptd.create_key("other", "aes256-gcm")
+    metrics = httpx.get(served.container.url + "/metrics", timeout=10)
+    assert metrics.status_code == 200
+    assert "cryptd_" in metrics.text
+
+
+def test_runs_as_the_image_user_without_privileges(served: Running) -> None:
+    container = served.container
+    pid1 = container.pid1()
+    uid, gid = container.user()
+    processes = [pid1, *_descendants(pid1)]
+    assert len(processes) >= 3, "expected the supervisor, two workers and their pools"
+    for pid in processes:
+        status = _status(pid)
+        assert status["Uid"].split() == [str(uid)] * 4, (pid, status["Uid"])
+        assert status["Gid"].split() == [str(gid)] * 4, (pid, status["Gid"])
+        assert status["Groups"] == ""
+        for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(status[caps], 16) == 0, (pid, caps, status[caps])
+        assert status["NoNewPrivs"] == "1"
+        assert os.readlink(f"/proc/{pid}/root") == str(container.image.rootfs)
+    # PID 1 in the container is the server itself (the entrypoint exec'd it).
+    cmdline = Path(f"/proc/{pid1}/cmdline").read_bytes().split(b"\0")
+    assert b"serve" in cmdline, cmdline
+    ns_pid = _status(pid1)["NSpid"].split()
+    assert ns_pid[-1] == "1"
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            ppid = int(_status(int(status.parent.name))["PPid"])
+            children.setdefault(ppid, []).append(int(status.parent.name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def test_root_filesystem_is_read_only(served: Running) -> None:
+    container = served.container
+    # Even root inside the container cannot write to the image's files.
+    probe = container.exec(
+        ["python", "-c", "open('/usr/local/lib/cryptd/probe', 'w')"], as_root=True
+    )
+    assert probe.returncode != 0
+    assert "Read-only file system" in probe.stderr, probe.stderr
+    # The image's user can write to the two emptyDirs only.
+    writes = container.exec(
+        [
+            "python",
+            "-c",
+            "import os, tempfile\n"
+            "for d in ('/tmp', os.environ['PROMETHEUS_MULTIPROC_DIR']):\n"
+            "    tempfile.NamedTemporaryFile(dir=d).close()\n"
+            "for d in ('/', '/etc', '/usr/local', '/run', '/etc/cryptd/keyring'):\n"
+            "    try:\n"
+            "        tempfile.NamedTemporaryFile(dir=d).close()\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    raise SystemExit(f'{d} is writable')\n",
+        ]
+    )
+    assert writes.returncode == 0, writes.stderr
+    assert "Read-only file system" not in container.log()
+
+
+def test_the_image_healthcheck_command(served: Running, image: Image) -> None:
+    container = served.container
+    command = image.config["Healthcheck"]["Test"][1:]
+    healthy = container.exec(command)
+    assert healthy.returncode == 0, healthy.stderr
+    # The same command fails when nothing answers on the port it follows.
+    env = {**container.environment(), "CRYPTD_PORT": str(free_port())}
+    assert container.exec(command, env=env).returncode == 1
+
+
+def test_a_missing_secret_stops_the_container_with_a_clear_message(
+    image: Image, pod: dict[str, Any], redis_url: str
+) -> None:
+    require_cli()
+    with world_tempdir() as work:
+        secrets, _ = _secrets(work, redis_url)
+        secrets["cryptd-clients"]["clients.json"] = b""
+        container = Container(image, pod, secrets, work)
+        container.start()
+        assert container.process is not None
+        try:
+            returncode = container.process.wait(timeout=30)
+        finally:
+            container.stop()
+        log = container.log()
+    assert returncode == 78, log  # EX_CONFIG, from the image's entrypoint
+    clients = image.env()["CRYPTD_CLIENTS_FILE"]
+    assert f"cryptd-entrypoint: error: CRYPTD_CLIENTS_FILE={clients} is empty" in log
+
+
+def test_prestop_then_sigterm_drains_and_exits_zero(
+    image: Image, pod: dict[str, Any], redis_url: str
+) -> None:
+    prestop = _container_spec(pod)["lifecycle"]["preStop"]["exec"]["command"]
+    with running(image, pod, redis_url) as run:
+        container = run.container
+        assert container.process is not None
+        # The kubelet runs preStop while the endpoint is being removed; the server keeps
+        # serving, then gets SIGTERM as PID 1.
+        hook: dict[str, subprocess.CompletedProcess[str]] = {}
+        hook_thread = threading.Thread(target=lambda: hook.update(done=container.exec(prestop)))
+        hook_thread.start()
+        with run.client() as cryptd:
+            while hook_thread.is_alive():
+                assert cryptd.healthz()["status"] == "ok"
+                time.sleep(0.2)
+        hook_thread.join()
+        assert hook["done"].returncode == 0, hook["done"].stderr
+
+        long: dict[str, Any] = {}
+
+        def long_request() -> None:
+            # ~0.7 s of RSA-4096 on two idle cores; well inside the 5 s pool deadline.
+            messages = [os.urandom(32) for _ in range(LONG_BATCH)]
+            try:
+                # No retry: a request the server dropped must show as lost.
+                with run.client(timeout=GRACE_SECONDS, retries=0) as cryptd:
+                    long["result"] = cryptd.sign_batch("bulk", messages)
+            except Exception as exc:  # reported below
+                long["result"] = exc
+            long["ended"] = time.monotonic()
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(0.3)  # on its way and being worked on
+        signalled = time.monotonic()
+        os.kill(container.pid1(), signal.SIGTERM)
+        try:
+            returncode = container.process.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {GRACE_SECONDS} s after SIGTERM: the kubelet kills it")
+        worker.join(timeout=GRACE_SECONDS)
+        log = container.log()
+    assert returncode == 0, log[-3000:]
+    result = long.get("result")
+    assert isinstance(result, list), f"the in-flight request was lost: {result!r}"
+    assert len(result) == LONG_BATCH
+    assert all(not isinstance(item, Exception) for item in result)
+    assert long["ended"] > signalled, "the request ended before SIGTERM: nothing drained"
+    assert "Finished server process" in log, log[-3000:]
+    assert "Read-only file system" not in log
+    assert "Traceback" not in log, log[-3000:]
