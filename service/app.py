@@ -30,6 +30,7 @@ from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
+from service.edge.protocol import REJECTION_HOOK
 from service.engine import Observer
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
@@ -158,7 +159,7 @@ def create_app(
             await run_in_threadpool(manager.rotate_due)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         for executor in by_kind.values():
             await executor.start()
         # What startup built (FastAPI, pydantic schemas, keys: ~77k objects) lives until exit.
@@ -184,7 +185,9 @@ def create_app(
                 signal.SIGHUP, lambda: loop.create_task(run_in_threadpool(manager.reload))
             )
         try:
-            yield
+            # The lifespan state reaches the server's protocol: it counts the requests it
+            # refuses itself (431, 408, malformed HTTP) with the other rejections.
+            yield {REJECTION_HOOK: metrics.rejected}
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)

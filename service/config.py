@@ -84,6 +84,14 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(default=0, ge=0)
 
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    # The HTTP edge (service/edge/protocol.py): request line and header fields together; the
+    # head due within header_read_timeout of a request's first byte (or of the connection's
+    # opening), the whole request within request_read_timeout; idle keep-alive connections
+    # closed after keepalive_timeout.
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    header_read_timeout: float = Field(default=5.0, gt=0, le=300)
+    request_read_timeout: float = Field(default=30.0, gt=0, le=3600)
+    keepalive_timeout: int = Field(default=5, ge=1, le=3600)
     max_batch_items: int = Field(default=1000, ge=1)
 
     pool_workers: int = Field(default=0, ge=0)  # 0: cores / server workers (docs/EXECUTORS.md)

@@ -70,6 +70,13 @@ class PayloadTooLarge(CryptdError):
     default_message = "payload too large"
 
 
+class UnsupportedMediaType(CryptdError):
+    """A request body that is not sent as JSON (415)."""
+
+    code = "unsupported_media_type"
+    default_message = "the body must be sent as application/json"
+
+
 class RateLimited(CryptdError):
     code = "rate_limited"
     default_message = "rate limit exceeded"

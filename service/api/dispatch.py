@@ -30,11 +30,9 @@ from typing import Any
 
 from service.api.errors import send_cryptd_error
 from service.asgi import ASGIApp, Receive, Scope, Send, request_id_of, route_path, send_error
-from service.auth.middleware import WANTED_HEADERS, SignatureAuthMiddleware, add_field
-from service.auth.replay import StoreUnavailable
-from service.auth.signature import AuthError
+from service.auth.middleware import REFUSED, WANTED_HEADERS, SignatureAuthMiddleware, add_field
 from service.engine import OpName
-from service.errors import CryptdError, Overloaded, RateLimited
+from service.errors import CryptdError, Overloaded
 from service.metrics.middleware import TimingMiddleware
 
 log = logging.getLogger("cryptd.api")
@@ -44,7 +42,6 @@ Endpoint = Callable[[Scope, bytes, OpName, str], Awaitable[bytes]]
 for the error model. ``scope["state"]["client"]`` is the authenticated client."""
 
 _CONTENT_TYPE = (b"content-type", b"application/json")
-_REFUSED = (AuthError, RateLimited, StoreUnavailable)
 
 
 class CryptoDispatch:
@@ -142,7 +139,7 @@ class CryptoDispatch:
             if auth is not None:
                 try:
                     await auth.authenticate(scope, headers, body)
-                except _REFUSED as exc:
+                except REFUSED as exc:
                     await auth.refuse(exc, scope, send_with_id)
                     return
             if self.overloaded():

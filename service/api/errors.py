@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,7 +14,8 @@ from starlette.responses import Response
 
 from service.api.spec import allowed_methods
 from service.asgi import Send, error_body, send_error
-from service.errors import CryptdError, Overloaded, RateLimited, SchemaError
+from service.errors import CryptdError, InvalidRequest, Overloaded, RateLimited, SchemaError
+from service.keys.keyring import check_key_name
 
 log = logging.getLogger("cryptd.api")
 
@@ -27,6 +29,9 @@ STATUS: dict[str, int] = {
     "method_not_allowed": 405,
     "conflict": 409,
     "payload_too_large": 413,
+    "unsupported_media_type": 415,
+    "headers_too_large": 431,
+    "request_timeout": 408,
     "rate_limited": 429,
     "overloaded": 503,
     "keystore_unavailable": 503,
@@ -85,6 +90,9 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
+        bad_name = encoded_key_name_error(request.scope.get("raw_path"))
+        if bad_name is not None:
+            return cryptd_error_response(bad_name)
         return error_response(404, "not_found", "no such route")
     if exc.status_code == 405:
         allowed = _allowed_methods(request.url.path)
@@ -95,6 +103,26 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     code = "invalid_request" if 400 <= exc.status_code < 500 else "internal"
     message = "invalid request" if code == "invalid_request" else "internal error"
     return error_response(exc.status_code, code, message, exc.headers)
+
+
+def encoded_key_name_error(raw_path: bytes | None) -> InvalidRequest | None:
+    """Why a path that matched no route is a bad key name, if it is one: the key segment of a
+    keyed route, percent-decoded, holds a '/' (``a%2Fb`` splits the decoded path, so no route
+    matches) or is otherwise not a key name. Only called for a 404: no cost on a hit."""
+    if not raw_path or b"%" not in raw_path:
+        return None
+    parts = raw_path.decode("latin-1").split("/")
+    if len(parts) < 4 or parts[0] or parts[1] != "v1":
+        return None
+    if not allowed_methods("/".join(["", "v1", parts[2], "key", *parts[4:]])):
+        return None  # not a route with a key name there
+    try:
+        check_key_name(unquote_to_bytes(parts[3]).decode("ascii"))
+    except UnicodeDecodeError:
+        return InvalidRequest("key name must match [A-Za-z0-9_.-]{1,128}")
+    except InvalidRequest as exc:
+        return exc
+    return None
 
 
 def _allowed_methods(path: str) -> str | None:

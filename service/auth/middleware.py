@@ -1,8 +1,10 @@
 """ASGI middleware that authenticates every ``/v1/`` request, and the policy checks routes call.
 
-Order of checks: signature (and body digest) -> replay -> rate limit. A nonce is stored only
-once the signature is valid, so unauthenticated traffic cannot fill the replay store, and a
-request refused for its rate still spent its nonce (a replay of it stays refused).
+Order of checks: signature (and body digest) -> replay -> rate limit -> media type (a body
+must be ``application/json``: 415; after authentication, so an unauthenticated caller learns
+nothing but 401). A nonce is stored only once the signature is valid, so unauthenticated
+traffic cannot fill the replay store, and a request refused for its rate still spent its nonce
+(a replay of it stays refused).
 
 Nothing here logs a secret, a signature, or the Signature / Signature-Input values; failures
 are logged with their reason only.
@@ -20,13 +22,19 @@ from service.auth.clients import Client, ClientRegistry
 from service.auth.ratelimit import RateLimiter
 from service.auth.replay import ReplayStore, StoreUnavailable
 from service.auth.signature import SIGNATURE_HEADERS, AuthError, verify_request
-from service.errors import Forbidden, Overloaded, RateLimited, Unauthenticated
+from service.errors import Forbidden, Overloaded, RateLimited, Unauthenticated, UnsupportedMediaType
 
 logger = logging.getLogger("cryptd.auth")
 
 PROTECTED_PREFIX = "/v1/"
 STATE_KEY = "client"
+JSON = "application/json"
 WANTED_HEADERS = {name.encode("ascii"): name for name in SIGNATURE_HEADERS}
+
+
+Refusal = AuthError | RateLimited | StoreUnavailable | UnsupportedMediaType
+REFUSED = (AuthError, RateLimited, StoreUnavailable, UnsupportedMediaType)
+"""What :meth:`SignatureAuthMiddleware.authenticate` raises for :meth:`~.refuse` to answer."""
 
 
 class SignatureAuthMiddleware:
@@ -45,8 +53,8 @@ class SignatureAuthMiddleware:
     ) -> None:
         """``on_failure(reason)`` is called for every 401 (reasons: see
         :data:`service.auth.signature.Reason`); ``on_rejection(cause)`` for every request
-        refused after authentication: ``"rate_limited"`` (429) or ``"replay_unavailable"``
-        (503). Both are for metrics and must not raise."""
+        refused after authentication: ``"rate_limited"`` (429), ``"replay_unavailable"``
+        (503) or ``"media_type"`` (415). Both are for metrics and must not raise."""
         self.app = app
         self.registry_provider = registry_provider
         self.replay = replay
@@ -70,7 +78,7 @@ class SignatureAuthMiddleware:
             return
         try:
             await self.authenticate(scope, signature_headers(scope["headers"]), body)
-        except (AuthError, RateLimited, StoreUnavailable) as exc:
+        except REFUSED as exc:
             await self.refuse(exc, scope, send)
             return
         await self.app(scope, _replay_body(body, receive), send)
@@ -79,7 +87,8 @@ class SignatureAuthMiddleware:
         """The authenticated client of a request whose whole body is ``body``; it is also put
         in ``scope["state"]``. ``headers``: :func:`signature_headers` of the request (or the
         same mapping built in one pass with other headers). Raises :class:`AuthError` (401),
-        :class:`RateLimited` (429) or :class:`StoreUnavailable` (503): hand it to
+        :class:`RateLimited` (429), :class:`StoreUnavailable` (503) or, once the client is
+        known, :class:`UnsupportedMediaType` (415: a body not sent as JSON): hand it to
         :meth:`refuse`."""
         registry = self.registry_provider()
         raw_path: bytes | None = scope.get("raw_path")
@@ -109,6 +118,8 @@ class SignatureAuthMiddleware:
             raise AuthError("replayed")
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
+        if body and not is_json(headers.get("content-type")):
+            raise UnsupportedMediaType()
         state = scope.get("state")
         if state is None:
             scope["state"] = {STATE_KEY: client}
@@ -116,10 +127,9 @@ class SignatureAuthMiddleware:
             state[STATE_KEY] = client
         return client
 
-    async def refuse(
-        self, exc: AuthError | RateLimited | StoreUnavailable, scope: Scope, send: Send
-    ) -> None:
-        """Answer a request :meth:`authenticate` refused (401, 429 or 503), log and count it."""
+    async def refuse(self, exc: Refusal, scope: Scope, send: Send) -> None:
+        """Answer a request :meth:`authenticate` refused (401, 429, 503 or 415), log and count
+        it."""
         if isinstance(exc, AuthError):
             logger.info(
                 "request refused: unauthenticated (reason=%s peer=%s)", exc.reason, _peer(scope)
@@ -127,6 +137,9 @@ class SignatureAuthMiddleware:
             if self.on_failure is not None:
                 self.on_failure(exc.reason)
             await send_error(send, 401, Unauthenticated.code, Unauthenticated.default_message)
+        elif isinstance(exc, UnsupportedMediaType):
+            self._rejected("media_type", scope)
+            await send_error(send, 415, exc.code, exc.message)
         elif isinstance(exc, RateLimited):
             self._rejected("rate_limited", scope)
             retry_after = str(max(1, math.ceil(exc.retry_after))).encode()
@@ -162,6 +175,26 @@ class SignatureAuthMiddleware:
         logger.info("request refused: %s (peer=%s)", cause, _peer(scope))
         if self.on_rejection is not None:
             self.on_rejection(cause)
+
+
+def is_json(content_type: str | None) -> bool:
+    """``application/json``, case-insensitive, with parameters allowed (a ``charset`` other
+    than UTF-8 is not: JSON is UTF-8, RFC 8259)."""
+    if content_type is None:
+        return False
+    if content_type == JSON:
+        return True
+    media, _, parameters = content_type.partition(";")
+    if media.strip().lower() != JSON:
+        return False
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            return False
+    return True
 
 
 def signature_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import base64
+import contextlib
 import os
 import secrets
 import shutil
@@ -21,7 +22,8 @@ from service.auth.clients import generate_secret, write_document
 from service.cli.supervisor import Supervisor
 from service.config import Settings, decode_master_key
 from service.crypto.registry import KEY_TYPES
-from service.edge.protocol import EdgeProtocol
+from service.edge.protocol import EdgeLimits
+from service.edge.server import STARTUP_FAILURE, EdgeConfig, EdgeServer, bind
 from service.fileio import atomic_write
 from service.keys.admin import TargetNotEmpty, initialise, prepare
 from service.keys.manager import KeyManager
@@ -131,8 +133,6 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     if args.host:
         os.environ["CRYPTD_HOST"] = args.host
     if args.port:
@@ -154,10 +154,6 @@ def serve(args: argparse.Namespace) -> int:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        # uvicorn's httptools protocol with cryptd's edge rules (service/edge/protocol.py);
-        # no WebSocket protocol: every Upgrade offer is ignored and served as HTTP/1.1.
-        "http": EdgeProtocol,
-        "ws": "none",
         "lifespan": "on",
         "access_log": False,  # cryptd's own access log: one JSON line per request, when enabled
         "log_config": None,  # uvicorn's loggers go through cryptd's JSON handler
@@ -167,16 +163,26 @@ def serve(args: argparse.Namespace) -> int:
         # X-Forwarded-For to trust, and one ASGI layer less per request.
         "proxy_headers": False,
         "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_SECONDS,
+        "timeout_keep_alive": settings.keepalive_timeout,
     }
+    # uvicorn's httptools protocol with cryptd's edge rules (service/edge/).
+    edge = EdgeLimits(
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout=settings.header_read_timeout,
+        request_timeout=settings.request_read_timeout,
+    )
+    config = EdgeConfig(APP, edge=edge, **options)
     if settings.workers > 1:
         # One listening socket per worker: see service/cli/supervisor.py.
-        config = uvicorn.Config(APP, **options)
         return Supervisor(config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5).run()
+    sock = bind(settings.host, settings.port)
     # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
     # exit, so that re-raise ends the process with status 0 instead of 143.
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(APP, **options)
-    return 0
+    server = EdgeServer(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

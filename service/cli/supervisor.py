@@ -34,6 +34,8 @@ from types import FrameType
 
 import uvicorn
 
+from service.edge.server import EdgeServer, bind
+
 log = logging.getLogger("cryptd.supervisor")
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -46,18 +48,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) in the address's reuse-port group."""
     if port == 0:
         raise ValueError("several workers need a fixed port (port 0 gives each its own)")
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return bind(host, port, reuse_port=True)
 
 
 def become_subreaper() -> bool:
@@ -95,7 +86,7 @@ def run_worker(config: uvicorn.Config) -> None:
     # A SIGHUP passed on while this worker still starts must not end it (the default action);
     # the app installs its keyring-reload handler at startup, and loads the keyring then anyway.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    uvicorn.Server(config).run(sockets=[listening_socket(config.host, config.port)])
+    EdgeServer(config).run(sockets=[listening_socket(config.host, config.port)])
 
 
 class Supervisor:

@@ -1,6 +1,6 @@
 """cryptd's HTTP/1.1 server protocol: uvicorn's httptools protocol with the edge rules.
 
-Upgrade offers are ignored, as RFC 9110 section 7.8 allows: a request that offers
+**Upgrade offers are ignored**, as RFC 9110 section 7.8 allows: a request that offers
 ``Upgrade: h2c`` (Java's ``HttpClient`` on its defaults, ``curl --http2``), or any other
 protocol, is answered as HTTP/1.1 with its body. httptools parses such a request's head, then
 skips its body and stops, handing back the rest as "the other protocol" (httptools issue 124;
@@ -9,27 +9,87 @@ the signature's digest fails and the caller sees 401). Here the rest of the byte
 fresh parser that reads the body with the request's own framing (Content-Length or chunked),
 so llhttp, not new code, decides where the body ends; the connection then carries on as
 keep-alive HTTP/1.1.
+
+**The request head is bounded**: more than ``max_header_bytes`` of request line and header
+fields is 431 ``headers_too_large``. While a head is incomplete every byte received counts
+(so a huge or endless head is cut off as soon as it passes the limit, holding at most the
+limit plus one read); a head that completes within one read is measured from its parsed
+fields, and only when that read was larger than the limit.
+
+**Time limits**, on one timer per connection (uvicorn's keep-alive timer, so a request costs
+no more timer operations than before): a new connection, or a kept-alive one from the first
+byte of its next request, must deliver the complete head within ``header_timeout`` seconds,
+and the whole request within ``request_timeout``, else 408 ``request_timeout`` and the
+connection is closed; an idle kept-alive connection is closed after ``timeout_keep_alive``
+(uvicorn's setting). The timer runs in steps no longer than the shortest of the three and
+re-arms itself for what remains, so each limit holds whatever the others are. A slowloris
+client (a header line every few seconds) is cut off after ``header_timeout`` whatever it
+sends, while other connections are served.
+
+**Malformed HTTP** (request line, header syntax, chunked framing) gets the JSON error shape,
+400 ``invalid_request``, with an ``X-Request-ID`` (the client's, if its header was parsed).
+These refusals close the connection and are counted through the lifespan state's
+:data:`REJECTION_HOOK`, if the app put one there.
+
+**TLS connections** carry the ASGI TLS extension (``scope["extensions"]["tls"]``), built once
+per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from service.asgi import error_body, request_id
+from service.edge.tls import ALPN, asgi_tls_extension
+
+log = logging.getLogger("cryptd.edge")
+
+REJECTION_HOOK = "cryptd.edge.rejected"
+"""Lifespan-state key of a ``callable(cause)`` told of every refusal made here (metrics):
+causes ``header_size`` (431), ``read_timeout`` (408), ``malformed_http`` (400)."""
+
+_Refusal = tuple[int, str, str, str]  # status, code, message, cause
+
 _FRAMING = (b"content-length", b"transfer-encoding")
+_MALFORMED: _Refusal = (400, "invalid_request", "malformed HTTP request", "malformed_http")
+# Where the parser is in the current request.
+_BETWEEN, _HEAD, _BODY = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    max_header_bytes: int = 16 * 1024
+    header_timeout: float = 5.0
+    request_timeout: float = 30.0
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing; the refusal is in ``_refusal``."""
+
+
+class _Discard:
+    """Stands in for the parser once a connection is being closed: later bytes are dropped."""
+
+    def feed_data(self, data: bytes) -> None:
+        return None
 
 
 class EdgeProtocol(HttpToolsProtocol):
     """Pass as uvicorn's ``http`` class (with ``ws="none"``: cryptd has no WebSocket route, so
-    every upgrade offer is one to ignore)."""
+    every upgrade offer is one to ignore); the limits come from ``config.edge`` (an
+    :class:`EdgeLimits`, see service/edge/server.py), else the defaults."""
 
     # What a TLS listener offers in ALPN (uvicorn reads it too): HTTP/1.1 only.
-    alpn_protocols: ClassVar[list[str]] = ["http/1.1"]
+    alpn_protocols: ClassVar[list[str]] = ALPN
 
     def __init__(
         self,
@@ -39,10 +99,47 @@ class EdgeProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        limits = getattr(config, "edge", None) or EdgeLimits()
+        self._max_head = limits.max_header_bytes
+        self._header_timeout = limits.header_timeout
+        self._request_timeout = limits.request_timeout
+        self._on_refusal: Callable[[str], None] | None = app_state.get(REJECTION_HOOK)
+        # uvicorn arms its keep-alive timer with timeout_keep_alive after each response: the
+        # step; the idle limit itself is kept here.
+        self._keep_alive = float(self.timeout_keep_alive)
+        self._step = min(self._keep_alive, self._header_timeout, self._request_timeout)
+        self.timeout_keep_alive = self._step  # type: ignore[assignment]
+        self._idle_deadline: float | None = None  # loop time an idle connection is closed at
+        self._phase = _BETWEEN
+        self._started = 0.0  # loop time of the current request's first byte
+        self._head_bytes = 0  # bytes of the current head received in earlier reads
+        self._read = 0  # size of the read being parsed
+        self._ended = False  # a message ended inside the read being parsed
+        self._refusal: _Refusal | None = None
+        self._extensions: dict[str, Any] | None = None
         self._upgrade_body: _UpgradeBody | None = None
 
-    def data_received(self, data: bytes) -> None:
+    # --- connection ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            self._extensions = {"tls": asgi_tls_extension(ssl_object)}
+        # The first request's head is due within header_timeout of the connection's opening.
+        self._idle_deadline = self.loop.time() + self._header_timeout
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self._step, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         self._unset_keepalive_if_required()
+
+    def data_received(self, data: bytes) -> None:
+        # Unlike uvicorn's, no timer is cancelled here: the same timer bounds the head.
+        self._read = len(data)
+        self._ended = False
         try:
             while data:
                 try:
@@ -51,16 +148,122 @@ class EdgeProtocol(HttpToolsProtocol):
                 except httptools.HttpParserUpgrade as exc:
                     data = self._ignore_upgrade(data[exc.args[0] :])
         except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self._refuse(*(self._refusal or _MALFORMED))
             return
+        if self._phase == _HEAD and not self._ended:
+            # The whole read belongs to a head that is still incomplete.
+            self._head_bytes += self._read
+            if self._head_bytes > self._max_head:
+                self._refuse(*self._too_large())
+                return
         body = self._upgrade_body
         if body is not None and body.between_messages:
             # The upgrade offer's body is read and no later request is half parsed: later
             # bytes go to a plain parser again, without the forwarding step.
             self._upgrade_body = None
             self.parser = self._new_parser(self)
+
+    def timeout_keep_alive_handler(self) -> None:
+        """The connection's one timer: idle keep-alive, head and request deadlines."""
+        self.timeout_keep_alive_task = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self._phase == _BETWEEN:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return  # a request is being answered; its response arms the timer again
+            if self._idle_deadline is None:  # armed by uvicorn when the last response ended
+                self._idle_deadline = now - self._step + self._keep_alive
+            if now >= self._idle_deadline - 0.001:
+                self.transport.close()  # idle
+            else:
+                self._rearm(self._idle_deadline - now)
+            return
+        limit = self._header_timeout if self._phase == _HEAD else self._request_timeout
+        remaining = self._started + limit - now
+        if remaining > 0.001:
+            self._rearm(remaining)
+            return
+        what = "request head" if self._phase == _HEAD else "request"
+        message = f"{what} not received within {limit:g} s"
+        self._refuse(408, "request_timeout", message, "read_timeout")
+
+    def _rearm(self, delay: float) -> None:
+        self.timeout_keep_alive_task = self.loop.call_later(delay, self.timeout_keep_alive_handler)
+
+    # --- parser callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = _HEAD
+        self._started = self.loop.time()
+        self._idle_deadline = None
+        if self._extensions is not None:
+            self.scope["extensions"] = self._extensions
+
+    def on_headers_complete(self) -> None:
+        self._phase = _BODY
+        received = self._head_bytes + self._read  # at least this head's size
+        self._head_bytes = 0
+        if received > self._max_head and self._head_size() > self._max_head:
+            self._refusal = self._too_large()
+            raise _Refused
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._phase = _BETWEEN
+        self._ended = True
+
+    # --- refusals --------------------------------------------------------------------------
+
+    def _head_size(self) -> int:
+        """The parsed head's size on the wire (request line, fields, line ends)."""
+        size = len(self.url) + 16
+        for name, value in self.headers:
+            size += len(name) + len(value) + 4
+        return size
+
+    def _too_large(self) -> _Refusal:
+        message = f"request head exceeds {self._max_head} bytes"
+        return 431, "headers_too_large", message, "header_size"
+
+    def _refuse(self, status: int, code: str, message: str, cause: str) -> None:
+        """Answer ``status`` with the JSON error body and close the connection."""
+        self._refusal = None
+        self._phase = _BETWEEN
+        self.parser = _Discard()  # type: ignore[assignment]
+        if self._on_refusal is not None:
+            self._on_refusal(cause)
+        peer = self.client[0] if self.client else "-"
+        log.info("request refused at the HTTP edge: %s (peer=%s)", code, peer)
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and not cycle.response_complete
+            and (cycle.response_started or not cycle.more_body)
+        ):
+            # An earlier request is being answered: let that answer finish, then close.
+            cycle.keep_alive = False
+            self.transport.pause_reading()
+            return
+        body = error_body(code, message)
+        content = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            content += [name, b": ", value, b"\r\n"]
+        content += [
+            b"content-type: application/json\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\nx-request-id: ",
+            request_id(self.headers or ()),
+            b"\r\nconnection: close\r\n\r\n",
+            body,
+        ]
+        self.transport.write(b"".join(content))
+        self.transport.close()
+
+    # --- ignored upgrades ------------------------------------------------------------------
 
     def _new_parser(self, target: object) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(target)
@@ -80,6 +283,7 @@ class EdgeProtocol(HttpToolsProtocol):
         # the app never saw the empty body.
         self.cycle.more_body = True
         self.cycle.message_event.clear()
+        self._phase = _BODY
         body = self._upgrade_body = _UpgradeBody(self)
         self.parser = self._new_parser(body)
         # A stand-in head with the framing only; its head events are dropped.

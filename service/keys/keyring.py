@@ -18,6 +18,9 @@ from service.crypto.base import KeyHandle, KeyType
 from service.errors import InvalidRequest, KeyNotFound
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")
+# The token's associated data holds the version as a u32 (docs/FORMAT.md): no key version can
+# be larger, and a request naming one is refused as malformed (400), never looked up (404).
+MAX_KEY_VERSION = 2**32 - 1
 
 
 def parse_time(text: str) -> float:
@@ -124,8 +127,8 @@ class Key:
         ``min_decryption_version`` (400) and versions that do not exist (404)."""
         if requested is None:
             requested = max(self.active_version(), self.min_decryption_version)
-        if requested < 1:
-            raise InvalidRequest("key_version must be 1 or more")
+        if requested < 1 or requested > MAX_KEY_VERSION:
+            raise InvalidRequest(f"key_version must be from 1 to {MAX_KEY_VERSION}")
         if requested < self.min_decryption_version:
             raise InvalidRequest(
                 f"key version {requested} is below min_decryption_version "

@@ -151,7 +151,9 @@ class Metrics:
 
     def rejected(self, cause: str) -> None:
         """``cause``: "overload" (503, work queue full), "rate_limit" (429), "body_size" (413);
-        "replay_unavailable" (503, replay store down) where the auth layer reports it."""
+        "replay_unavailable" (503, replay store down) and "media_type" (415) where the auth
+        layer reports them; "header_size" (431), "read_timeout" (408), "malformed_http" (400)
+        from the server's protocol (service/edge/protocol.py)."""
         if self.enabled:
             self._child(self._families.rejections, _CAUSES.get(cause, cause)).inc()
 

@@ -1,0 +1,191 @@
+"""Server TLS: one policy, certificates reloaded when their files change, and the ASGI TLS
+extension.
+
+Policy: TLS 1.2 at least (1.3 is chosen whenever the client has it: OpenSSL picks the highest
+common version); TLS 1.2 suites are ECDHE (forward secrecy) with AES-GCM or ChaCha20-Poly1305
+only, no CBC, no RSA key exchange; TLS 1.3 suites are OpenSSL's, all AEAD. No compression, no
+renegotiation; ALPN offers HTTP/1.1 only (an ``h2`` client falls back to it).
+
+Reload without a restart or a dropped connection: the files are stat-ed every second (a
+Kubernetes Secret update, how cert-manager rotates, is a swap of the ``..data`` symlink: a new
+inode). When they change, a new :class:`ssl.SSLContext` is built from them; the listening
+context's SNI callback, which OpenSSL runs for every ClientHello (with or without a server
+name), moves each new handshake onto the newest context, and established connections keep
+theirs. A version that does not load (a half-written rotation, a key that does not match the
+certificate) leaves the previous context in use and is logged once; the next change is tried
+again. The client CA file is part of the context, so a rotated client CA is picked up too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from cryptography import x509
+
+from service.fileio import FileStamp, file_stamp
+
+log = logging.getLogger("cryptd.tls")
+
+ClientCertMode = Literal["required", "optional"]
+
+TLS12_CIPHERS = ":".join(
+    [
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-CHACHA20-POLY1305",
+        "ECDHE-RSA-CHACHA20-POLY1305",
+    ]
+)
+ALPN = ["http/1.1"]
+
+# For the ASGI TLS extension, which names versions and suites by their IANA numbers.
+_TLS_VERSIONS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
+_CIPHER_IDS = {
+    "TLS_AES_128_GCM_SHA256": 0x1301,
+    "TLS_AES_256_GCM_SHA384": 0x1302,
+    "TLS_CHACHA20_POLY1305_SHA256": 0x1303,
+    "ECDHE-ECDSA-AES128-GCM-SHA256": 0xC02B,
+    "ECDHE-RSA-AES128-GCM-SHA256": 0xC02F,
+    "ECDHE-ECDSA-AES256-GCM-SHA384": 0xC02C,
+    "ECDHE-RSA-AES256-GCM-SHA384": 0xC030,
+    "ECDHE-RSA-CHACHA20-POLY1305": 0xCCA8,
+    "ECDHE-ECDSA-CHACHA20-POLY1305": 0xCCA9,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """Where the server's certificate chain and key are, and the CA that client certificates
+    must chain to (mutual TLS) with whether a client must present one at the handshake."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+    client_cert: ClientCertMode = "required"
+
+
+def server_context(files: TLSFiles) -> ssl.SSLContext:
+    """A server context with cryptd's policy and ``files`` loaded. Raises OSError or
+    ssl.SSLError if they do not load (missing, unreadable, key not matching)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(TLS12_CIPHERS)
+    context.options |= (
+        ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION | ssl.OP_CIPHER_SERVER_PREFERENCE
+    )
+    context.set_alpn_protocols(ALPN)
+    context.load_cert_chain(files.cert_file, files.key_file)
+    if files.client_ca_file is not None:
+        context.load_verify_locations(cafile=files.client_ca_file)
+        context.verify_mode = (
+            ssl.CERT_REQUIRED if files.client_cert == "required" else ssl.CERT_OPTIONAL
+        )
+    return context
+
+
+class ServerTLS:
+    """The listening context (hand it to the server) and the reload of its files."""
+
+    def __init__(self, files: TLSFiles) -> None:
+        """Loads the files now: a configuration that does not load fails here, at start."""
+        self.files = files
+        self._stamp = self._stamps()
+        self.current = server_context(files)
+        self.listening = self.current
+        self.listening.sni_callback = self._select
+        _describe("TLS certificate loaded", files.cert_file)
+
+    def _stamps(self) -> tuple[FileStamp | None, ...]:
+        paths = (self.files.cert_file, self.files.key_file, self.files.client_ca_file)
+        return tuple(file_stamp(path) for path in paths if path is not None)
+
+    def _select(self, ssl_object: ssl.SSLObject, server_name: str | None, _: Any) -> None:
+        current = self.current
+        if ssl_object.context is not current:
+            ssl_object.context = current
+
+    def reload_if_changed(self) -> bool:
+        """Load the files again if they changed; True when a new context is in use."""
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp  # a version that fails is logged once, not every second
+        try:
+            context = server_context(self.files)
+        except (OSError, ssl.SSLError) as exc:
+            reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None)
+            log.error(
+                "TLS files changed but do not load; the previous certificate stays in use",
+                extra={"error_type": type(exc).__name__, "reason": str(reason or "")},
+            )
+            return False
+        self.current = context
+        _describe("TLS certificate reloaded", self.files.cert_file)
+        return True
+
+
+def _describe(message: str, cert_file: Path) -> None:
+    """Log which certificate is in use (subject, names, expiry); warn when it has expired."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    except (OSError, ValueError):
+        log.info(message)
+        return
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = names.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        dns = []
+    not_after = cert.not_valid_after_utc
+    details = {
+        "subject": cert.subject.rfc4514_string(),
+        "dns_names": ",".join(dns),
+        "not_after": not_after.isoformat(),
+    }
+    if not_after <= datetime.datetime.now(datetime.UTC):
+        log.error(f"{message}, but it has EXPIRED: clients will refuse it", extra=details)
+    else:
+        log.info(message, extra=details)
+
+
+@dataclass
+class TLSFactory:
+    """uvicorn's ``ssl_context_factory``: picklable (the supervisor sends it to every worker),
+    it builds the worker's own :class:`ServerTLS` when the worker loads its configuration."""
+
+    files: TLSFiles
+    server_tls: ServerTLS | None = None
+
+    def __call__(self, config: object, default: object) -> ssl.SSLContext:
+        self.server_tls = ServerTLS(self.files)
+        return self.server_tls.listening
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"files": self.files, "server_tls": None}  # contexts do not travel
+
+
+def asgi_tls_extension(ssl_object: ssl.SSLObject) -> dict[str, Any]:
+    """``scope["extensions"]["tls"]`` of the ASGI TLS extension, for one connection. The
+    client certificate, when there is one, was verified at the handshake."""
+    der = ssl_object.getpeercert(binary_form=True)
+    chain: list[str] = []
+    name = None
+    if der:
+        chain = [ssl.DER_cert_to_PEM_cert(der)]
+        name = x509.load_der_x509_certificate(der).subject.rfc4514_string()
+    cipher = ssl_object.cipher()
+    return {
+        "server_cert": None,
+        "client_cert_chain": chain,
+        "client_cert_name": name,
+        "client_cert_error": None,
+        "tls_version": _TLS_VERSIONS.get(ssl_object.version() or ""),
+        "cipher_suite": _CIPHER_IDS.get(cipher[0]) if cipher else None,
+    }

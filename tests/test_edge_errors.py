@@ -1,0 +1,165 @@
+"""Edge errors of the API on a real server: 415 for bodies that are not JSON, encoded key
+names, the Allow header of 405, the upper bound of key_version."""
+
+from __future__ import annotations
+
+import base64
+
+import orjson
+import pytest
+
+from service.auth.signature import sign_request
+from service.keys.keyring import MAX_KEY_VERSION
+from tests.conftest import Server
+from tests.test_api import assert_error
+
+BODY = orjson.dumps({"plaintext": base64.b64encode(b"x").decode()})
+
+
+def signed_with_type(server: Server, content_type: str) -> tuple[int, str]:
+    """A request signed over ``content_type`` (the signature covers it): authentic, so what
+    answers is the media type check."""
+    headers = sign_request(
+        "POST",
+        "/v1/encrypt/aes256-gcm",
+        "",
+        BODY,
+        server.client_id,
+        server.secret,
+        content_type=content_type,
+    )
+    response = server.request(
+        "POST", "/v1/encrypt/aes256-gcm", raw=BODY, headers=headers, sign=False
+    )
+    code = response.json()["error"]["code"] if response.status_code != 200 else ""
+    return response.status_code, code
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "application/xml",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        "application/json; charset=latin-1",
+        "",
+    ],
+)
+def test_body_that_is_not_json_is_415(server: Server, content_type: str) -> None:
+    assert signed_with_type(server, content_type) == (415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json; charset=utf-8", "Application/JSON", 'application/json;charset="UTF-8"'],
+)
+def test_json_with_parameters_is_accepted(server: Server, content_type: str) -> None:
+    assert signed_with_type(server, content_type) == (200, "")
+
+
+def test_415_comes_after_authentication(server: Server) -> None:
+    unsigned = server.request(
+        "POST",
+        "/v1/encrypt/aes256-gcm",
+        raw=BODY,
+        headers={"Content-Type": "text/plain"},
+        sign=False,
+    )
+    assert_error(unsigned, 401, "unauthenticated")
+    signed = server.request(
+        "POST",
+        "/v1/encrypt/aes256-gcm",
+        raw=BODY,
+        sign=False,
+        headers=sign_request(
+            "POST",
+            "/v1/encrypt/aes256-gcm",
+            "",
+            BODY,
+            server.client_id,
+            server.secret,
+            content_type="application/xml",
+        ),
+    )
+    assert_error(signed, 415, "unsupported_media_type")
+    assert signed.headers["x-request-id"]
+
+
+def test_empty_body_needs_no_content_type(server: Server) -> None:
+    headers = sign_request("GET", "/v1/keys", "", b"", server.client_id, server.secret)
+    response = server.request("GET", "/v1/keys", headers=headers, sign=False)
+    assert response.status_code == 200
+
+
+KEYED_ROUTES = [
+    ("POST", "/v1/encrypt/{}"),
+    ("POST", "/v1/decrypt/{}"),
+    ("POST", "/v1/sign/{}"),
+    ("POST", "/v1/verify/{}"),
+    ("POST", "/v1/rewrap/{}"),
+    ("POST", "/v1/datakey/{}"),
+    ("GET", "/v1/keys/{}"),
+    ("POST", "/v1/keys/{}"),
+    ("PATCH", "/v1/keys/{}"),
+    ("DELETE", "/v1/keys/{}"),
+    ("POST", "/v1/keys/{}/rotate"),
+]
+
+
+@pytest.mark.parametrize(("method", "template"), KEYED_ROUTES)
+@pytest.mark.parametrize("name", ["a%2Fb", "%2F", "aes256-gcm%2F..", "x%00y", "%C3%A9", "a%20b"])
+def test_bad_encoded_key_name_is_400_on_every_route(
+    server: Server, method: str, template: str, name: str
+) -> None:
+    response = server.request(method, template.format(name), {"type": "aes256-gcm"})
+    assert_error(response, 400, "invalid_request")
+
+
+def test_encoded_valid_key_name_is_the_key(server: Server) -> None:
+    response = server.request("POST", "/v1/encrypt/aes256%2Dgcm", {"plaintext": ""})
+    assert response.status_code == 200, response.text
+
+
+def test_empty_key_name_is_400(server: Server) -> None:
+    assert_error(server.request("POST", "/v1/encrypt/", {"plaintext": ""}), 400, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    ("path", "methods"),
+    [
+        ("/v1/keys/aes256-gcm", "DELETE, GET, PATCH, POST"),
+        ("/v1/keys/aes256-gcm/rotate", "POST"),
+        ("/v1/keys", "GET"),
+        ("/v1/encrypt/aes256-gcm", "POST"),
+    ],
+)
+def test_allow_lists_every_method_of_the_path(server: Server, path: str, methods: str) -> None:
+    response = server.request("PUT", path, {})
+    assert_error(response, 405, "method_not_allowed")
+    assert response.headers["allow"] == methods
+
+
+@pytest.mark.parametrize(
+    ("version", "status", "code"),
+    [
+        (MAX_KEY_VERSION, 404, "key_not_found"),
+        (MAX_KEY_VERSION + 1, 400, "invalid_request"),
+        (2**63, 400, "invalid_request"),
+        (2**64 + 1, 400, "invalid_request"),
+        (0, 400, "invalid_request"),
+    ],
+)
+def test_key_version_upper_bound(server: Server, version: int, status: int, code: str) -> None:
+    raw = b'{"plaintext":"","key_version":%d}' % version  # beyond what orjson writes, too
+    for path in ("/v1/encrypt/aes256-gcm", "/v1/sign/ed25519"):
+        body = raw if "encrypt" in path else raw.replace(b'"plaintext"', b'"message"')
+        assert_error(server.request("POST", path, raw=body), status, code)
+
+
+def test_token_naming_a_version_above_the_bound_is_400(server: Server) -> None:
+    token = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": ""}).json()["ciphertext"]
+    forged = token.replace("cryptd:v1:", f"cryptd:v{MAX_KEY_VERSION + 1}:")
+    response = server.request("POST", "/v1/decrypt/aes256-gcm", {"ciphertext": forged})
+    assert_error(response, 400, "invalid_request")
