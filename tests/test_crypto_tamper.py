@@ -27,7 +27,7 @@ from service import engine
 from service.crypto.registry import KEY_TYPES, KEY_TYPES_BY_ID
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
 from service.keys.document import KeyringDocument, canonical
-from service.keys.keyring import Keyring
+from service.keys.keyring import MAX_KEY_VERSION, Keyring
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeystoreError
@@ -338,16 +338,24 @@ def test_min_decryption_version_and_missing_versions(ring: Ring, type_name: str)
         assert isinstance(outcome, InvalidRequest), outcome
         assert outcome.code == "invalid_request"
     assert plaintext_of(decrypt(ring, name, new)) == PLAINTEXT
-    # A version above the latest is 404, in the token or in the request.
+    # A version above the latest is 404, in the token or in the request; above the bound
+    # (the token's u32 field) it is malformed: 400.
     _, data = split(new)
     missing = [
         decrypt(ring, name, join(3, data)),
-        decrypt(ring, name, join(9_999_999_999, data)),
+        decrypt(ring, name, join(MAX_KEY_VERSION, data)),
         *run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD, key_version=7)),
     ]
     for outcome in missing:
         assert isinstance(outcome, KeyNotFound), outcome
         assert outcome.code == "key_not_found"
+    beyond = [
+        decrypt(ring, name, join(MAX_KEY_VERSION + 1, data)),
+        decrypt(ring, name, join(9_999_999_999, data)),
+        *run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD, key_version=2**63)),
+    ]
+    for outcome in beyond:
+        assert isinstance(outcome, InvalidRequest), outcome
     with pytest.raises(InvalidRequest):
         ring.manager.update(name, min_decryption_version=3)
 

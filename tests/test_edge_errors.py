@@ -122,10 +122,6 @@ def test_encoded_valid_key_name_is_the_key(server: Server) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_empty_key_name_is_400(server: Server) -> None:
-    assert_error(server.request("POST", "/v1/encrypt/", {"plaintext": ""}), 400, "invalid_request")
-
-
 @pytest.mark.parametrize(
     ("path", "methods"),
     [
