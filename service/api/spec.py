@@ -27,20 +27,27 @@ from service.api import schemas as s
 
 # code -> when it happens (the response descriptions list these per status).
 ERROR_CODES: Mapping[str, str] = {
-    "invalid_request": "malformed JSON, bad base64, wrong JSON types, bad key name, an option "
-    "or operation the key type does not support, a version below 1 or below "
-    "min_decryption_version, an empty batch",
+    "invalid_request": "malformed JSON, bad base64, wrong JSON types, bad key name (also "
+    "percent-encoded: %2F is 400), an option or operation the key type does not support, a "
+    "version below 1, above 4294967295 or below min_decryption_version, an empty batch; "
+    "malformed HTTP (request line, header syntax, chunked framing: the connection is closed)",
     "decryption_failed": "any decryption failure (one message for every cause: no oracle)",
     "unauthenticated": "missing, malformed, stale, future, replayed or wrong request "
     "signature, or a body that does not match Content-Digest (one message for every cause)",
     "forbidden": "the client's policy does not allow this operation on this key",
     "key_not_found": "unknown key or key version",
-    "not_found": "no such route (a key name holding '/' reaches none)",
+    "not_found": "no such route",
     "method_not_allowed": "a known route called with another method (with Allow); not "
     "listed per operation",
     "conflict": "the key exists already; deleting a key without deletion_allowed; a "
     "read-only keyring",
     "payload_too_large": "body over the body limit, or a batch over the item limit",
+    "unsupported_media_type": "an authenticated request whose body is not sent as "
+    "application/json (parameters allowed; a charset other than UTF-8 is not)",
+    "headers_too_large": "request line and header fields over the header limit (the "
+    "connection is closed)",
+    "request_timeout": "the request head, or the whole request, did not arrive in time (the "
+    "connection is closed)",
     "schema": "a missing or unknown field (code invalid_request)",
     "rate_limited": "the client's rate limit (see Retry-After)",
     "overloaded": "the work queue is full, the event loop runs late, or the replay store is "
@@ -50,7 +57,8 @@ ERROR_CODES: Mapping[str, str] = {
     "internal": "an unexpected failure; never a stack trace, key or plaintext",
 }
 
-ANY: tuple[str, ...] = ("internal",)
+# The HTTP edge answers these on any route, before the app (service/edge/protocol.py).
+ANY: tuple[str, ...] = ("internal", "headers_too_large", "request_timeout")
 # Every signed /v1/ request: the edge (signature, replay, rate limit, body limit, load shedding).
 SIGNED: tuple[str, ...] = (
     *ANY,
@@ -63,7 +71,7 @@ SIGNED: tuple[str, ...] = (
 # A route with a {key} segment: the name is checked, the policy applied, the key looked up.
 KEYED: tuple[str, ...] = (*SIGNED, "forbidden", "key_not_found", "not_found")
 # A route with a JSON body: schema validation (422).
-BODY: tuple[str, ...] = ("schema",)
+BODY: tuple[str, ...] = ("schema", "unsupported_media_type")
 # Key management (admin): it writes the key store.
 MANAGE: tuple[str, ...] = (*KEYED, "conflict", "keystore_unavailable")
 
