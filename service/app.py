@@ -251,6 +251,9 @@ def create_app(
         version=__version__,
         description="Encryption as a service: keys stay inside, operations come in over REST.",
         lifespan=lifespan,
+        # An API answers the path it was given: no 307 to the path with(out) a trailing slash
+        # (a redirect of a signed request would need signing again; "%2F" names are 400).
+        redirect_slashes=False,
         # The document is built from service/api/spec.py; docs.install serves it and the pages.
         openapi_url=None,
         docs_url=None,

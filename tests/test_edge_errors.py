@@ -186,3 +186,14 @@ def test_token_naming_a_version_above_the_bound_is_400(server: Server) -> None:
     forged = token.replace("cryptd:v1:", f"cryptd:v{MAX_KEY_VERSION + 1}:")
     response = server.request("POST", "/v1/decrypt/aes256-gcm", {"ciphertext": forged})
     assert_error(response, 400, "invalid_request")
+
+
+def test_415_on_the_layered_path_too(server: Server) -> None:
+    """Key management goes through the ASGI layers, not the crypto entry: same answer."""
+    path = "/v1/keys/media-type-test"
+    body = orjson.dumps({"type": "aes256-gcm"})
+    headers = sign_over(path, body, server.client_id, server.secret, "text/plain")
+    response = server.request("POST", path, raw=body, headers=headers, sign=False)
+    assert_error(response, 415, "unsupported_media_type")
+    assert response.headers["x-request-id"]
+    assert_error(server.request("GET", "/v1/keys/media-type-test"), 404, "key_not_found")
