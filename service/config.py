@@ -83,6 +83,14 @@ class Settings(BaseSettings):
     rate_limit_per_second: float = Field(default=0.0, ge=0)
     rate_limit_burst: int = Field(default=0, ge=0)
 
+    # TLS (service/edge/tls.py): required outside development unless CRYPTD_TLS=off, set on
+    # purpose where a proxy or mesh sidecar terminates TLS in front of cryptd.
+    tls: Literal["on", "off"] | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # mutual TLS: client certificates from this CA
+    tls_client_cert: Literal["required", "optional"] = "required"
+
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     # The HTTP edge (service/edge/protocol.py): request line and header fields together; the
     # head due within header_read_timeout of a request's first byte (or of the connection's
@@ -170,6 +178,29 @@ class Settings(BaseSettings):
             )
         if self.replay_fail_open and self.redis_url is None:
             raise ValueError("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Settings:
+        files = (self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        if self.tls == "off":
+            if any(path is not None for path in files):
+                raise ValueError("CRYPTD_TLS=off, yet CRYPTD_TLS_*_FILE are set: choose one")
+            return self
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE go together")
+        if self.tls_cert_file is None:
+            if self.tls_client_ca_file is not None:
+                raise ValueError(
+                    "CRYPTD_TLS_CLIENT_CA_FILE (mutual TLS) needs CRYPTD_TLS_CERT_FILE and "
+                    "CRYPTD_TLS_KEY_FILE"
+                )
+            if self.tls == "on" or self.env != "development":
+                raise ValueError(
+                    "TLS is required: set CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE, or "
+                    "CRYPTD_TLS=off on purpose where a proxy or mesh sidecar in front of "
+                    "cryptd terminates TLS"
+                )
         return self
 
     def load_master_key(self) -> bytes:

@@ -6,6 +6,7 @@ import base64
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,6 +40,13 @@ class Server:
     secret: bytes
     directory: Path
     log_path: Path
+    ca_file: Path | None = None  # https:// (``serve --dev --tls``): the development CA
+
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify`` for this server: a context trusting its CA, for https://."""
+        if self.ca_file is None:
+            return True
+        return ssl.create_default_context(cafile=str(self.ca_file))
 
     def request(
         self,
@@ -69,7 +77,9 @@ class Server:
             )
         sent.update(headers or {})
         url = self.url + path + (f"?{query}" if query else "")
-        return httpx.request(method, url, content=content, headers=sent, timeout=30)
+        return httpx.request(
+            method, url, content=content, headers=sent, timeout=30, verify=self.verify()
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -82,11 +92,15 @@ def start_server(
     workers: int = 1,
     prefix: Sequence[str] = (),
     state_view: Callable[[int], Path] | None = None,
+    tls: bool = False,
+    ca_file: Path | None = None,
 ) -> Server:
     """``cryptd serve --dev`` in ``directory`` (its state in ``directory/dev`` unless ``env``
     sets ``CRYPTD_DEV_DIR``). ``prefix`` runs the server under another command (``unshare``,
     ``setpriv``); ``state_view(pid)`` is where this process sees the development state when
-    the server's view differs (a private mount namespace: ``/proc/<pid>/root/...``)."""
+    the server's view differs (a private mount namespace: ``/proc/<pid>/root/...``).
+    ``tls``: ``--tls``, https:// with the development CA; ``ca_file``: https:// with the
+    certificate files that ``env`` names, issued by that CA."""
     port = free_port()
     directory.mkdir(parents=True, exist_ok=True)
     log_path = directory / "server.log"
@@ -98,19 +112,23 @@ def start_server(
     }
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+            [*prefix, sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)]
+            + (["--tls"] if tls else []),
             cwd=directory,
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    url = f"http://127.0.0.1:{port}"
+    if tls:
+        ca_file = Path(full_env["CRYPTD_DEV_DIR"]) / "tls" / "ca.crt"
+    url = f"{'https' if ca_file else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"server exited: {log_path.read_text(errors='replace')[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            verify = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+            if httpx.get(url + "/readyz", timeout=1, verify=verify).status_code == 200:
                 break
         if time.monotonic() > deadline:
             process.kill()
@@ -125,6 +143,7 @@ def start_server(
         base64.b64decode(credential["secret"]),
         directory,
         log_path,
+        ca_file,
     )
 
 

@@ -227,6 +227,7 @@ def test_production_refuses_weak_configuration(tmp_path: Path) -> None:
             **clean,
             "CRYPTD_MASTER_KEY": base64.b64encode(b"\x00" * 32).decode(),
             "CRYPTD_CLIENTS_FILE": str(tmp_path / "c.json"),
+            "CRYPTD_TLS": "off",  # TLS is refused on its own: tests/test_edge_tls.py
         },
     )
     assert weak.returncode != 0

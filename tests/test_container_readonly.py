@@ -15,6 +15,7 @@ import contextlib
 import os
 import shlex
 import signal
+import ssl
 import subprocess
 import time
 
@@ -23,6 +24,7 @@ import orjson
 import pytest
 
 from service.auth.signature import sign_request
+from service.edge.devcerts import issue, make_ca
 from tests.test_k8s_support import (
     IN_CI,
     ROOT,
@@ -45,10 +47,12 @@ def _namespaces_usable() -> bool:
     return probe.returncode == 0
 
 
-def _call(url: str, client: tuple[str, bytes], path: str, body: object) -> httpx.Response:
+def _call(
+    url: str, client: tuple[str, bytes], path: str, body: object, verify: ssl.SSLContext
+) -> httpx.Response:
     content = orjson.dumps(body)
     headers = sign_request("POST", path, "", content, client[0], client[1])
-    return httpx.post(url + path, content=content, headers=headers, timeout=30)
+    return httpx.post(url + path, content=content, headers=headers, timeout=30, verify=verify)
 
 
 def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
@@ -95,6 +99,15 @@ def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
         client = ("app", base64.b64decode(added.stdout.split()[0]))
         for leftover in secrets.rglob("*.lock"):
             leftover.unlink()
+        # The TLS Secret (cert-manager's layout: tls.crt, tls.key, ca.crt).
+        ca = make_ca("read-only test CA")
+        server_cert = issue(ca, ["127.0.0.1"])
+        tls_dir = secrets / "tls"
+        tls_dir.mkdir()
+        (tls_dir / "tls.crt").write_bytes(server_cert.cert_pem())
+        (tls_dir / "tls.key").write_bytes(server_cert.key_pem())
+        (tls_dir / "ca.crt").write_bytes(ca.cert_pem())
+        verify = ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
         for directory in ("tmp", "metrics", "work"):
             (root / directory).mkdir()
 
@@ -115,6 +128,8 @@ def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
             "CRYPTD_KEYRING_FILE": str(keyring),
             "CRYPTD_KEYRING_READ_ONLY": "true",
             "CRYPTD_CLIENTS_FILE": str(clients),
+            "CRYPTD_TLS_CERT_FILE": str(tls_dir / "tls.crt"),
+            "CRYPTD_TLS_KEY_FILE": str(tls_dir / "tls.key"),
         }
         q = shlex.quote
         script = "\n".join(
@@ -139,34 +154,35 @@ def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        url = f"http://127.0.0.1:{port}"
+        url = f"https://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
             while True:
                 assert process.poll() is None, log_path.read_text(errors="replace")[-3000:]
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    if httpx.get(url + "/readyz", timeout=1, verify=verify).status_code == 200:
                         break
                 assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
                 time.sleep(0.2)
 
             plaintext = base64.b64encode(b"read-only root").decode()
-            sealed = _call(url, client, "/v1/encrypt/payments", {"plaintext": plaintext})
+            sealed = _call(url, client, "/v1/encrypt/payments", {"plaintext": plaintext}, verify)
             assert sealed.status_code == 200, sealed.text
-            opened = _call(url, client, "/v1/decrypt/payments", sealed.json())
+            opened = _call(url, client, "/v1/decrypt/payments", sealed.json(), verify)
             assert opened.status_code == 200, opened.text
             assert opened.json()["plaintext"] == plaintext
-            signed = _call(url, client, "/v1/sign/seal", {"message": plaintext})
+            signed = _call(url, client, "/v1/sign/seal", {"message": plaintext}, verify)
             assert signed.status_code == 200, signed.text
             verified = _call(
                 url,
                 client,
                 "/v1/verify/seal",
                 {"message": plaintext, "signature": signed.json()["signature"]},
+                verify,
             )
             assert verified.json() == {"valid": True}
             # Key management would have to write the keyring: refused, not attempted.
-            refused = _call(url, client, "/v1/keys/other", {"type": "aes256-gcm"})
+            refused = _call(url, client, "/v1/keys/other", {"type": "aes256-gcm"}, verify)
             assert refused.status_code in (403, 409), refused.text
 
             process.send_signal(signal.SIGTERM)

@@ -9,6 +9,7 @@ on the output of the real kustomize (`kubectl kustomize`), which is what a clust
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import subprocess
 import sys
@@ -107,6 +108,28 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
                             "interval": {"type": "string", "pattern": DURATION},
                             "scrapeTimeout": {"type": "string", "pattern": DURATION},
                             "honorLabels": {"type": "boolean"},
+                            "tlsConfig": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "ca": {
+                                        "type": "object",
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "secret": {
+                                                "type": "object",
+                                                "additionalProperties": False,
+                                                "required": ["name", "key"],
+                                                "properties": {
+                                                    "name": {"type": "string"},
+                                                    "key": {"type": "string"},
+                                                },
+                                            }
+                                        },
+                                    },
+                                    "serverName": {"type": "string"},
+                                },
+                            },
                         },
                     },
                 },
@@ -301,9 +324,37 @@ def test_yamllint_config_catches_what_it_should(tmp_path: Path) -> None:
         assert f"({rule})" in result.stdout
 
 
+def _closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "object" and "properties" in schema:
+            schema.setdefault("additionalProperties", False)
+        for value in schema.values():
+            _closed(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _closed(value)
+    return schema
+
+
+@functools.cache
+def cert_manager_schema(kind: str) -> dict[str, Any]:
+    """cert-manager's v1 CRD schema for ``kind``, as the cloudcoil-models-cert-manager package
+    generates it from cert-manager's published CRDs (its models; their JSON schema), closed so
+    that a misspelled field fails. kubernetes-validate has no CRDs."""
+    from cloudcoil.models.cert_manager import v1  # type: ignore[import-not-found,unused-ignore]
+
+    model = getattr(v1, kind)
+    schema: dict[str, Any] = _closed(model.model_json_schema(by_alias=True, mode="validation"))
+    return schema
+
+
 def _validate(doc: Doc, version: str) -> None:
     if doc["kind"] == "ServiceMonitor":
         jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+        return
+    if doc["apiVersion"] == "cert-manager.io/v1":
+        jsonschema.validate(doc, cert_manager_schema(doc["kind"]))
         return
     kubernetes_validate.validate(doc, version, strict=True)
 
@@ -343,6 +394,18 @@ def test_schema_validation_rejects_mistakes() -> None:
     broken["spec"]["endpoints"][0]["interval"] = "15 seconds"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
+    certificate = one(load_docs(K8S / "base" / "certificate.yaml"), "Certificate", "cryptd-tls")
+    for mutate in (
+        lambda c: c["spec"].update(dnsName=["cryptd"]),  # misspelled field
+        lambda c: c["spec"]["privateKey"].update(algorithm="ECDSAX"),  # not an algorithm
+        lambda c: c["spec"]["privateKey"].update(size="256"),  # wrong type
+        lambda c: c["spec"]["usages"].append("server-auth"),  # not a usage
+        lambda c: c["spec"].pop("issuerRef"),  # required
+    ):
+        broken = copy.deepcopy(certificate)
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, cert_manager_schema("Certificate"))
 
 
 def test_renderings_agree_on_the_resources() -> None:
@@ -468,6 +531,13 @@ def secrets_from_script() -> dict[str, set[str]]:
         (work / "master.key").write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
         (work / "keyring.json").write_text('{"keys": {}}')
         (work / "clients.json").write_text('{"clients": {}}')
+        from service.edge.devcerts import issue, make_ca
+
+        ca = make_ca("make-secrets test CA")
+        leaf = issue(ca, ["cryptd.cryptd.svc"])
+        (work / "tls.crt").write_bytes(leaf.cert_pem())
+        (work / "tls.key").write_bytes(leaf.key_pem())
+        (work / "ca.crt").write_bytes(ca.cert_pem())
         result = subprocess.run(
             [
                 str(K8S / "scripts" / "make-secrets.sh"),
@@ -479,6 +549,13 @@ def secrets_from_script() -> dict[str, set[str]]:
                 str(work / "clients.json"),
                 "--redis-password-file",
                 str(work / "redis-password"),
+                # The plain-Secret alternative to cert-manager's cryptd-tls.
+                "--tls-cert",
+                str(work / "tls.crt"),
+                "--tls-key",
+                str(work / "tls.key"),
+                "--tls-ca",
+                str(work / "ca.crt"),
             ],
             capture_output=True,
             text=True,
@@ -494,9 +571,14 @@ def secrets_from_script() -> dict[str, set[str]]:
 
 
 def test_every_secret_referenced_is_built_by_the_script_and_documented(rendered: list[Doc]) -> None:
-    # Secrets are never in the manifests: make-secrets.sh builds them and DEPLOY.md names them.
+    # Secrets are never in the manifests: make-secrets.sh builds them (cert-manager too, for
+    # its Certificates) and DEPLOY.md names them.
     assert not [d for d in rendered if d["kind"] == "Secret"]
     built = secrets_from_script()
+    for certificate in (d for d in rendered if d["kind"] == "Certificate"):
+        issued = certificate["spec"]["secretName"]
+        if issued in built:
+            assert built[issued] == {"tls.crt", "tls.key", "ca.crt"}  # cert-manager's keys
     deploy_doc = (ROOT / "docs" / "DEPLOY.md").read_text()
     for name, keys in _secret_references(rendered).items():
         assert name in built, f"make-secrets.sh does not build {name}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import orjson
 import pytest
 
 from service.auth.signature import sign_request
+from service.edge.devcerts import issue, make_ca
 from tests.test_k8s import OVERLAYS, config_map, render_from_files
 from tests.test_k8s_scripts import Operator
 from tests.test_k8s_support import (
@@ -45,10 +47,11 @@ from tests.test_k8s_support import (
 
 pytestmark = pytest.mark.slow
 
-SECRET_VOLUMES = {  # volume directory -> (Secret, key), as in k8s/base/deployment.yaml
-    "master-key": ("cryptd-master-key", "master.key"),
-    "keyring": ("cryptd-keyring", "keyring.json"),
-    "clients": ("cryptd-clients", "clients.json"),
+SECRET_VOLUMES = {  # volume directory -> (Secret, keys), as in k8s/base/deployment.yaml
+    "master-key": ("cryptd-master-key", ("master.key",)),
+    "keyring": ("cryptd-keyring", ("keyring.json",)),
+    "clients": ("cryptd-clients", ("clients.json",)),
+    "tls": ("cryptd-tls", ("tls.crt", "tls.key", "ca.crt")),
 }
 RELOAD_INTERVAL = "0.2"
 TIMEOUT = 60.0
@@ -72,6 +75,10 @@ class Pod:
     def mount(self, volume: str) -> Path:
         return self.root / "etc" / "cryptd" / volume
 
+    def verify(self) -> ssl.SSLContext:
+        """Trust the CA of the pod's mounted cryptd-tls Secret (cert-manager's ca.crt)."""
+        return ssl.create_default_context(cafile=str(self.mount("tls") / "ca.crt"))
+
     def snapshot(self) -> dict[str, int]:
         """Files outside the emptyDirs (tmp, metrics) and the log: none may appear or change."""
         state: dict[str, int] = {}
@@ -88,7 +95,9 @@ def call(
 ) -> httpx.Response:
     content = b"" if body is None else orjson.dumps(body)
     headers = sign_request(method, path, "", content, who.client_id, who.secret)
-    return httpx.request(method, pod.url + path, content=content, headers=headers, timeout=30)
+    return httpx.request(
+        method, pod.url + path, content=content, headers=headers, timeout=30, verify=pod.verify()
+    )
 
 
 def encrypt(pod: Pod, who: Credential, plaintext: bytes) -> dict[str, Any]:
@@ -126,7 +135,18 @@ def eventually(check: Any, what: str, *, streak: int = 1) -> None:
 
 
 def cluster_secrets(op: Operator) -> dict[str, dict[str, bytes]]:
-    return make_secrets(op.root, op.master, op.keyring, op.clients, op.root / "redis-password")
+    tls = op.root / "tls"
+    if not tls.exists():  # what cert-manager would issue: a CA and the server's certificate
+        tls.mkdir()
+        ca = make_ca("cluster CA")
+        server_cert = issue(ca, ["127.0.0.1", "cryptd.cryptd.svc"])
+        (tls / "tls.crt").write_bytes(server_cert.cert_pem())
+        (tls / "tls.key").write_bytes(server_cert.key_pem())
+        (tls / "ca.crt").write_bytes(ca.cert_pem())
+    files = (tls / "tls.crt", tls / "tls.key", tls / "ca.crt")
+    return make_secrets(
+        op.root, op.master, op.keyring, op.clients, op.root / "redis-password", files
+    )
 
 
 class Cluster:
@@ -161,8 +181,9 @@ class Cluster:
             .decode()
             .replace("@cryptd-redis:6379", f"@127.0.0.1:{self.redis_port}"),
         )
-        for volume, (secret, key) in SECRET_VOLUMES.items():
-            publish_secret(root / "etc" / "cryptd" / volume, {key: secrets[secret][key]})
+        for volume, (secret, keys) in SECRET_VOLUMES.items():
+            files = {key: secrets[secret][key] for key in keys}
+            publish_secret(root / "etc" / "cryptd" / volume, files)
         (root / "work").chmod(0o555)
         log = root / "pod.log"
         with log.open("wb") as out:
@@ -173,7 +194,7 @@ class Cluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        pod = Pod(name, root, f"http://127.0.0.1:{env['CRYPTD_PORT']}", process, log)
+        pod = Pod(name, root, f"https://127.0.0.1:{env['CRYPTD_PORT']}", process, log)
         self.pods.append(pod)
         return pod
 
@@ -181,7 +202,8 @@ class Cluster:
         def ready() -> bool:
             assert pod.process.poll() is None, pod.log.read_text(errors="replace")[-3000:]
             with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(pod.url + "/readyz", timeout=1).status_code == 200
+                response = httpx.get(pod.url + "/readyz", timeout=1, verify=pod.verify())
+                return response.status_code == 200
             return False
 
         eventually(ready, f"{pod.name} is ready")
@@ -240,9 +262,13 @@ def test_rotation_and_clients_reach_every_replica_without_a_restart(cluster: Clu
     # Shared replay protection: a request seen by one replica is refused by the other.
     content = orjson.dumps({"plaintext": base64.b64encode(b"once").decode()})
     headers = sign_request("POST", "/v1/encrypt/payments", "", content, app.client_id, app.secret)
-    first = httpx.post(a.url + "/v1/encrypt/payments", content=content, headers=headers)
+    first = httpx.post(
+        a.url + "/v1/encrypt/payments", content=content, headers=headers, verify=a.verify()
+    )
     assert first.status_code == 200, first.text
-    replayed = httpx.post(b.url + "/v1/encrypt/payments", content=content, headers=headers)
+    replayed = httpx.post(
+        b.url + "/v1/encrypt/payments", content=content, headers=headers, verify=b.verify()
+    )
     assert replayed.status_code == 401, replayed.text
 
     old = encrypt(a, app, b"made under version 1")
@@ -297,7 +323,7 @@ def test_rotation_and_clients_reach_every_replica_without_a_restart(cluster: Clu
     metric_files = []
     for pod in pods:
         assert pod.process.poll() is None
-        scraped.append(httpx.get(pod.url + "/metrics", timeout=10))
+        scraped.append(httpx.get(pod.url + "/metrics", timeout=10, verify=pod.verify()))
         metric_files.append(list((pod.root / "metrics").glob("*.db")))
         after = pod.snapshot()
         changed = {

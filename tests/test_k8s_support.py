@@ -115,12 +115,21 @@ def world_tempdir() -> Iterator[Path]:
 
 
 def make_secrets(
-    work: Path, master_key: Path, keyring: Path, clients: Path, redis_password: Path
+    work: Path,
+    master_key: Path,
+    keyring: Path,
+    clients: Path,
+    redis_password: Path,
+    tls: tuple[Path, Path, Path] | None = None,
 ) -> dict[str, dict[str, bytes]]:
-    """Run k8s/scripts/make-secrets.sh; return {Secret name: {key: decoded bytes}}."""
+    """Run k8s/scripts/make-secrets.sh; return {Secret name: {key: decoded bytes}}. ``tls``:
+    (certificate chain, key, CA) for the cryptd-tls Secret cert-manager would otherwise make."""
     import base64
 
     kubectl = tool("kubectl")
+    tls_args: list[str] = []
+    if tls is not None:
+        tls_args = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1]), "--tls-ca", str(tls[2])]
     result = subprocess.run(
         [
             str(K8S / "scripts" / "make-secrets.sh"),
@@ -132,6 +141,7 @@ def make_secrets(
             str(clients),
             "--redis-password-file",
             str(redis_password),
+            *tls_args,
         ],
         cwd=work,
         capture_output=True,

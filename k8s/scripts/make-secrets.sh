@@ -10,6 +10,9 @@
 #                                     instead of --keyring)
 #   cryptd-keystore-ca ca.crt         the CA that signed the database's certificate, for
 #                                     sslmode=verify-full (--keystore-ca, required with the URL)
+#   cryptd-tls         tls.crt        only with --tls-cert/--tls-key/--tls-ca, where cert-manager
+#                      tls.key        does not make it (k8s/base/certificate.yaml): the server's
+#                      ca.crt         certificate chain, its key and the issuing CA
 #
 # Nothing is sent to a cluster: `kubectl create secret --dry-run=client -o yaml` only renders.
 # Apply with:  k8s/scripts/make-secrets.sh ARGS | kubectl apply -f -
@@ -29,6 +32,7 @@ usage() {
 usage: $0 --master-key FILE (--keyring FILE | --keystore-url-file FILE --keystore-ca FILE)
           --clients FILE --redis-password-file FILE
           [--namespace NS] [--redis-host HOST] [--redis-port PORT]
+          [--tls-cert FILE --tls-key FILE --tls-ca FILE]
 EOF
     exit 64
 }
@@ -47,6 +51,9 @@ keystore_url_file=""
 keystore_ca=""
 redis_host="cryptd-redis"
 redis_port="6379"
+tls_cert=""
+tls_key=""
+tls_ca=""
 
 while (($#)); do
     case "$1" in
@@ -59,6 +66,9 @@ while (($#)); do
         -n | --namespace) namespace="${2:?}"; shift 2 ;;
         --redis-host) redis_host="${2:?}"; shift 2 ;;
         --redis-port) redis_port="${2:?}"; shift 2 ;;
+        --tls-cert) tls_cert="${2:?}"; shift 2 ;;
+        --tls-key) tls_key="${2:?}"; shift 2 ;;
+        --tls-ca) tls_ca="${2:?}"; shift 2 ;;
         -h | --help) usage ;;
         *) printf '%s: unknown argument %s\n' "$PROG" "$1" >&2; usage ;;
     esac
@@ -72,7 +82,14 @@ done
 [[ -n "$keystore_url_file" && -z "$keystore_ca" ]] && fail "--keystore-url-file needs --keystore-ca"
 command -v kubectl > /dev/null || fail "kubectl not found on PATH"
 
-for file in "$master_key" "$clients" ${keyring:+"$keyring"} ${keystore_url_file:+"$keystore_url_file"} ${keystore_ca:+"$keystore_ca"}; do
+tls_files=("$tls_cert" "$tls_key" "$tls_ca")
+if [[ -n "$tls_cert$tls_key$tls_ca" ]]; then
+    [[ -n "$tls_cert" && -n "$tls_key" && -n "$tls_ca" ]] \
+        || fail "--tls-cert, --tls-key and --tls-ca go together"
+else
+    tls_files=()
+fi
+for file in "$master_key" "$clients" ${keyring:+"$keyring"} ${keystore_url_file:+"$keystore_url_file"} ${keystore_ca:+"$keystore_ca"} "${tls_files[@]}"; do
     [[ -f "$file" && -r "$file" && -s "$file" ]] || fail "$file: missing, unreadable or empty"
 done
 if [[ -n "$keystore_url_file" ]]; then
@@ -126,3 +143,7 @@ else
 fi
 render cryptd-clients --from-file=clients.json="$clients"
 render cryptd-redis --from-file=url="$work/url" --from-file=users.acl="$work/users.acl"
+if ((${#tls_files[@]})); then
+    render cryptd-tls --type=kubernetes.io/tls --from-file=tls.crt="$tls_cert" \
+        --from-file=tls.key="$tls_key" --from-file=ca.crt="$tls_ca"
+fi

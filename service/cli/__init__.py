@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from service.crypto.base import CryptoError
 from service.errors import CryptdError
 from service.keys.store import KeystoreError
@@ -48,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CryptdError, CryptoError, KeystoreError) as exc:
         print(f"cryptd: error: {exc}", file=sys.stderr)
         return 1
+    except ValidationError as exc:
+        # pydantic's own text quotes the input, which holds every setting (a master key too).
+        for error in exc.errors(include_url=False, include_context=False, include_input=False):
+            where = ".".join(str(part) for part in error["loc"])
+            print(f"cryptd: error: {where + ': ' if where else ''}{error['msg']}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:
         print(f"cryptd: error: {exc}", file=sys.stderr)
         return 2

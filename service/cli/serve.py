@@ -6,10 +6,12 @@ import argparse
 import atexit
 import base64
 import contextlib
+import logging
 import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +24,10 @@ from service.auth.clients import generate_secret, write_document
 from service.cli.supervisor import Supervisor
 from service.config import Settings, decode_master_key
 from service.crypto.registry import KEY_TYPES
+from service.edge.devcerts import ensure_dev_tls
 from service.edge.protocol import EdgeLimits
 from service.edge.server import STARTUP_FAILURE, EdgeConfig, EdgeServer, bind
+from service.edge.tls import TLSFactory, TLSFiles, server_context
 from service.fileio import atomic_write
 from service.keys.admin import TargetNotEmpty, initialise, prepare
 from service.keys.manager import KeyManager
@@ -32,14 +36,18 @@ from service.keys.store import KeyStore, open_store
 from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
 
+log = logging.getLogger("cryptd")
+
 DEV_CLIENT_ID = "dev"
 APP = "service.app:app_factory"
 GRACEFUL_SHUTDOWN_SECONDS = 30
 
 
-def prepare_dev_dir(directory: Path, url: str) -> bool:
+def prepare_dev_dir(directory: Path, url: str, ca_file: Path | None = None) -> bool:
     """Create the development state once: master key, a keyring with one key of every type,
-    and an all-powerful client. Returns True when it was created now."""
+    and an all-powerful client. The credential (``client.json``) names ``url`` and, for
+    ``https://``, the CA that issued the server's certificate. Returns True when it was created
+    now."""
     master_path = directory / "master.key"
     keyring_path = directory / "keyring.json"
     clients_path = directory / "clients.json"
@@ -72,6 +80,8 @@ def prepare_dev_dir(directory: Path, url: str) -> bool:
     finally:
         store.close()
     credential = {"url": url, "client_id": DEV_CLIENT_ID, "secret": secret}
+    if ca_file is not None:
+        credential["ca_file"] = str(ca_file)
     atomic_write(credential_path, orjson.dumps(credential, option=orjson.OPT_INDENT_2))
     os.environ.update(
         {
@@ -139,16 +149,31 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["CRYPTD_PORT"] = str(args.port)
     if args.workers:
         os.environ["CRYPTD_WORKERS"] = str(args.workers)
+    if args.tls and not args.dev:
+        os.environ["CRYPTD_TLS"] = "on"
     if args.dev:
         host = os.environ.get("CRYPTD_HOST", "127.0.0.1")
         port = os.environ.get("CRYPTD_PORT", "8080")
         directory = Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev"))
-        prepare_dev_dir(directory, f"http://{host}:{port}")
+        ca_file = None
+        if args.tls:
+            names = [socket.gethostname()] if host in ("0.0.0.0", "::", "") else [host]
+            dev_tls = ensure_dev_tls(directory, names)
+            os.environ["CRYPTD_TLS_CERT_FILE"] = str(dev_tls.cert_file)
+            os.environ["CRYPTD_TLS_KEY_FILE"] = str(dev_tls.key_file)
+            ca_file = dev_tls.ca_file
+        scheme = "https" if args.tls else "http"
+        prepare_dev_dir(directory, f"{scheme}://{host}:{port}", ca_file)
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     settings.load_master_key()
     _prepare_metrics_dir(settings)
     configure_logging(settings.log_level, settings.access_log, "off")
+    if settings.tls == "off":
+        log.warning(
+            "TLS is off (CRYPTD_TLS=off): requests, plaintexts and data keys cross the network "
+            "in the clear unless a proxy or mesh sidecar in front of cryptd encrypts them"
+        )
     options: dict[str, Any] = {
         "factory": True,
         "host": settings.host,
@@ -171,6 +196,12 @@ def serve(args: argparse.Namespace) -> int:
         header_timeout=settings.header_read_timeout,
         request_timeout=settings.request_read_timeout,
     )
+    cert_file, key_file = settings.tls_cert_file, settings.tls_key_file
+    if cert_file is not None and key_file is not None:
+        files = TLSFiles(cert_file, key_file, settings.tls_client_ca_file, settings.tls_client_cert)
+        # Each worker builds its contexts from the files (and watches them): fail here first.
+        server_context(files)
+        options["ssl_context_factory"] = TLSFactory(files)
     config = EdgeConfig(APP, edge=edge, **options)
     if settings.workers > 1:
         # One listening socket per worker: see service/cli/supervisor.py.
@@ -191,4 +222,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--host", help="bind address (default $CRYPTD_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default $CRYPTD_PORT or 8080)")
     parser.add_argument("--workers", type=int, help="server worker processes")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS; with --dev, a development CA and server certificate in the dev directory "
+        "(client.json gets an https:// URL and ca_file); without, CRYPTD_TLS=on",
+    )
     parser.set_defaults(func=serve)
