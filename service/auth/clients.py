@@ -4,7 +4,13 @@ The clients file (``CRYPTD_CLIENTS_FILE``) is JSON::
 
     {"clients": {"billing": {
         "secret": "<base64, >= 32 random bytes>", "admin": false,
-        "allow": [{"keys": "billing-*", "operations": ["encrypt", "decrypt"]}]}}}
+        "allow": [{"keys": "billing-*", "operations": ["encrypt", "decrypt"]}],
+        "certificates": ["spiffe://example.org/ns/billing/sa/api"]}}}
+
+``certificates`` (mutual TLS) lists the client certificate identities (SAN DNS names or URIs)
+the client may present: its signed requests must then arrive over a connection whose
+certificate carries one of them. ``"authentication": "certificate"`` makes a client
+authenticated by its certificate alone, with no secret and no signature.
 
 A :class:`ClientRegistry` is an immutable snapshot of one version of that file.
 :class:`ClientsFile` hands out the current snapshot and swaps in a new one when the file
@@ -37,6 +43,13 @@ OPERATIONS: Final = frozenset(
     {"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random", "read"}
 )
 CLIENT_ID_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+AUTHENTICATION: Final = ("signature", "certificate")
+# A certificate identity: a URI with a scheme (a SPIFFE ID), or a DNS name.
+_URI_IDENTITY: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[!-~]{1,2000}")
+_DNS_IDENTITY: Final = re.compile(
+    r"(?=.{1,253}\Z)(\*\.)?([A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?\.)*"
+    r"[A-Za-z0-9]([A-Za-z0-9\-]{0,61}[A-Za-z0-9])?\Z"
+)
 MIN_SECRET_BYTES: Final = 32
 SECRET_BYTES: Final = 32  # what generate_secret() makes
 # Random 32-byte secrets have ~31 distinct byte values; fewer than this is not random.
@@ -69,12 +82,16 @@ class AllowRule:
 
 @dataclass(frozen=True, slots=True)
 class Client:
-    """One API client. The secret is the HMAC key (decoded bytes); it never leaves here."""
+    """One API client. The secret is the HMAC key (decoded bytes); it never leaves here.
+    ``certificates``: the client certificate identities it may present (empty: any, or none);
+    ``certificate_only``: authenticated by its certificate alone (it then has no secret)."""
 
     client_id: str
     secret: bytes = field(repr=False)
     admin: bool = False
     allow: tuple[AllowRule, ...] = ()
+    certificates: frozenset[str] = frozenset()
+    certificate_only: bool = False
 
     def allows(self, key: str, operation: str) -> bool:
         """Whether a rule allows ``operation`` on ``key``. Admin does not imply data access."""
@@ -95,17 +112,34 @@ class Client:
 class ClientRegistry:
     """Immutable snapshot of the configured clients."""
 
-    __slots__ = ("_clients",)
+    __slots__ = ("_by_certificate", "_clients")
 
     def __init__(self, clients: Iterable[Client] = ()) -> None:
         self._clients: Mapping[str, Client] = {c.client_id: c for c in clients}
+        by_certificate: dict[str, Client] = {}
+        for client in self._clients.values():
+            if client.certificate_only:
+                for identity in client.certificates:
+                    other = by_certificate.setdefault(identity, client)
+                    if other is not client:
+                        raise ClientsFileError(
+                            f"clients {other.client_id!r} and {client.client_id!r} are both "
+                            f"authenticated by the certificate identity {identity!r}"
+                        )
+        self._by_certificate: Mapping[str, Client] = by_certificate
 
     def get(self, client_id: str) -> Client | None:
         return self._clients.get(client_id)
 
     def secret_for(self, client_id: str) -> bytes | None:
         client = self._clients.get(client_id)
-        return None if client is None else client.secret
+        return None if client is None or client.certificate_only else client.secret
+
+    def by_certificate(self, identities: Iterable[str]) -> Client | None:
+        """The certificate-only client these certificate identities authenticate; None when
+        they name none, or more than one (a certificate must say who it is unambiguously)."""
+        found = {self._by_certificate[i] for i in identities if i in self._by_certificate}
+        return found.pop() if len(found) == 1 else None
 
     def __iter__(self) -> Iterator[Client]:
         return iter(self._clients.values())
@@ -171,16 +205,53 @@ def parse_allow_rule(client_id: str, raw: object) -> AllowRule:
     return AllowRule(keys=keys, operations=frozenset(operations))
 
 
+def parse_certificate_identity(client_id: str, raw: object) -> str:
+    """A certificate identity as the clients file lists it: a URI (``spiffe://...``) or a DNS
+    name, matched exactly against the certificate's subject alternative names."""
+    if not isinstance(raw, str) or not (
+        _URI_IDENTITY.fullmatch(raw) or _DNS_IDENTITY.fullmatch(raw)
+    ):
+        raise ClientsFileError(
+            f"client {client_id!r}: certificate identity {raw!r} is neither a URI "
+            "(e.g. spiffe://example.org/ns/app/sa/api) nor a DNS name"
+        )
+    return raw
+
+
+def _certificates(client_id: str, raw: Mapping[str, Any]) -> tuple[frozenset[str], bool]:
+    listed = raw.get("certificates", [])
+    if not isinstance(listed, list):
+        raise ClientsFileError(f"client {client_id!r}: 'certificates' must be a list")
+    certificates = frozenset(parse_certificate_identity(client_id, i) for i in listed)
+    authentication = raw.get("authentication", "signature")
+    if authentication not in AUTHENTICATION:
+        raise ClientsFileError(
+            f"client {client_id!r}: 'authentication' must be 'signature' or 'certificate'"
+        )
+    certificate_only = authentication == "certificate"
+    if certificate_only:
+        if not certificates:
+            raise ClientsFileError(
+                f"client {client_id!r}: authentication by certificate needs 'certificates'"
+            )
+        if "secret" in raw:
+            raise ClientsFileError(
+                f"client {client_id!r}: a client authenticated by certificate has no 'secret'"
+            )
+    elif "secret" not in raw:
+        raise ClientsFileError(f"client {client_id!r}: 'secret' is missing")
+    return certificates, certificate_only
+
+
 def parse_client(client_id: object, raw: object) -> Client:
     if not isinstance(client_id, str) or not CLIENT_ID_RE.fullmatch(client_id):
         raise ClientsFileError(f"client id {client_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
     if not isinstance(raw, Mapping):
         raise ClientsFileError(f"client {client_id!r}: entry must be an object")
-    unknown = set(raw) - {"secret", "admin", "allow"}
+    unknown = set(raw) - {"secret", "admin", "allow", "certificates", "authentication"}
     if unknown:
         raise ClientsFileError(f"client {client_id!r}: unknown field(s) {sorted(unknown)}")
-    if "secret" not in raw:
-        raise ClientsFileError(f"client {client_id!r}: 'secret' is missing")
+    certificates, certificate_only = _certificates(client_id, raw)
     admin = raw.get("admin", False)
     if not isinstance(admin, bool):
         raise ClientsFileError(f"client {client_id!r}: 'admin' must be true or false")
@@ -189,9 +260,11 @@ def parse_client(client_id: object, raw: object) -> Client:
         raise ClientsFileError(f"client {client_id!r}: 'allow' must be a list")
     return Client(
         client_id=client_id,
-        secret=decode_secret(client_id, raw["secret"]),
+        secret=b"" if certificate_only else decode_secret(client_id, raw["secret"]),
         admin=admin,
         allow=tuple(parse_allow_rule(client_id, rule) for rule in allow),
+        certificates=certificates,
+        certificate_only=certificate_only,
     )
 
 

@@ -6,6 +6,12 @@ nothing but 401). A nonce is stored only once the signature is valid, so unauthe
 traffic cannot fill the replay store, and a request refused for its rate still spent its nonce
 (a replay of it stays refused).
 
+Mutual TLS (service/auth/certs.py): a client that lists certificate identities must sign over
+a connection whose verified client certificate carries one of them, else 401. A request with
+no signature fields at all, over a certificate that names a certificate-only client, is that
+client's: policies and rate limits apply; there is no nonce to remember, and TLS itself makes
+a captured request impossible to play again (docs/AUTH.md).
+
 Nothing here logs a secret, a signature, or the Signature / Signature-Input values; failures
 are logged with their reason only.
 """
@@ -18,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from service.asgi import ASGIApp, Message, Receive, Scope, Send, route_path, send_error
+from service.auth.certs import peer_identities
 from service.auth.clients import Client, ClientRegistry
 from service.auth.ratelimit import RateLimiter
 from service.auth.replay import ReplayStore, StoreUnavailable
@@ -91,6 +98,8 @@ class SignatureAuthMiddleware:
         known, :class:`UnsupportedMediaType` (415: a body not sent as JSON): hand it to
         :meth:`refuse`."""
         registry = self.registry_provider()
+        if "signature" not in headers and "signature-input" not in headers:
+            return await self._by_certificate(scope, registry, headers, body)
         raw_path: bytes | None = scope.get("raw_path")
         try:
             path = scope["path"] if raw_path is None else raw_path.decode("ascii")
@@ -111,6 +120,8 @@ class SignatureAuthMiddleware:
         client = registry.get(signed.keyid)
         if client is None:  # removed between the two lookups by a reload: same answer
             raise AuthError("unknown_client")
+        if client.certificates and client.certificates.isdisjoint(peer_identities(scope)):
+            raise AuthError("certificate_mismatch")
 
         # Remember the nonce until the signature could no longer pass the created check.
         ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
@@ -120,11 +131,25 @@ class SignatureAuthMiddleware:
             await self.rate_limiter.acquire(client.client_id)
         if body and not is_json(headers.get("content-type")):
             raise UnsupportedMediaType()
-        state = scope.get("state")
-        if state is None:
-            scope["state"] = {STATE_KEY: client}
-        else:
-            state[STATE_KEY] = client
+        _set_client(scope, client)
+        return client
+
+    async def _by_certificate(
+        self, scope: Scope, registry: ClientRegistry, headers: dict[str, str], body: bytes
+    ) -> Client:
+        """A request without signature fields: the certificate-only client its connection's
+        verified client certificate names, if any."""
+        identities = peer_identities(scope)
+        if not identities:
+            raise AuthError("missing_signature")
+        client = registry.by_certificate(identities)
+        if client is None:
+            raise AuthError("unknown_certificate")
+        if self.rate_limiter is not None:
+            await self.rate_limiter.acquire(client.client_id)
+        if body and not is_json(headers.get("content-type")):
+            raise UnsupportedMediaType()
+        _set_client(scope, client)
         return client
 
     async def refuse(self, exc: Refusal, scope: Scope, send: Send) -> None:
@@ -175,6 +200,14 @@ class SignatureAuthMiddleware:
         logger.info("request refused: %s (peer=%s)", cause, _peer(scope))
         if self.on_rejection is not None:
             self.on_rejection(cause)
+
+
+def _set_client(scope: Scope, client: Client) -> None:
+    state = scope.get("state")
+    if state is None:
+        scope["state"] = {STATE_KEY: client}
+    else:
+        state[STATE_KEY] = client
 
 
 def is_json(content_type: str | None) -> bool:

@@ -67,6 +67,8 @@ Reason = Literal[
     "bad_signature",  # the HMAC does not match
     "bad_digest",  # Content-Digest does not match the body
     "replayed",  # (keyid, nonce) already seen (decided by the middleware)
+    "certificate_mismatch",  # the client lists certificates; the connection's is not one
+    "unknown_certificate",  # no signature, and no certificate-only client for the certificate
 ]
 
 _DIGESTS: Final[Mapping[str, Callable[[bytes], bytes]]] = {

@@ -17,6 +17,7 @@ from service.auth.clients import (
     ClientsFileError,
     generate_secret,
     parse_allow_spec,
+    parse_client,
     parse_clients,
     read_document,
     write_document,
@@ -45,6 +46,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="allow operations on matching keys, e.g. 'billing-*:encrypt,decrypt' (repeatable); "
         "operations: encrypt decrypt sign verify rewrap datakey hmac read, random (names no "
         "key: any glob), or *",
+    )
+    add.add_argument(
+        "--certificate",
+        action="append",
+        default=[],
+        metavar="IDENTITY",
+        help="mutual TLS: a client certificate identity it may present, a SAN URI "
+        "(spiffe://...) or DNS name (repeatable); its signed requests must then come over one",
+    )
+    add.add_argument(
+        "--certificate-only",
+        action="store_true",
+        help="authenticated by its certificate alone: no secret, no signature "
+        "(needs --certificate)",
     )
     add.add_argument("--file", type=Path, help=file_help)
     add.set_defaults(func=_add)
@@ -97,14 +112,32 @@ def _add(args: argparse.Namespace) -> int:
         allow = [parse_allow_spec(spec) for spec in args.allow]
     except ClientsFileError as exc:
         raise ValueError(str(exc)) from None
-    secret = generate_secret()
+    entry: dict[str, Any] = {"admin": args.admin, "allow": allow}
+    if args.certificate:
+        entry["certificates"] = list(dict.fromkeys(args.certificate))
+    secret = None
+    if args.certificate_only:
+        entry["authentication"] = "certificate"
+    else:
+        secret = entry["secret"] = generate_secret()
+    try:
+        parse_client(client_id, entry)  # refuse what the server would refuse to load
+    except ClientsFileError as exc:
+        raise ValueError(str(exc)) from None
     with _locked(path):
         document = _load_for_edit(path)
         if client_id in document["clients"]:
             print(f"cryptd: client {client_id!r} already exists in {path}", file=sys.stderr)
             return 1
-        document["clients"][client_id] = {"secret": secret, "admin": args.admin, "allow": allow}
+        document["clients"][client_id] = entry
+        try:
+            parse_clients(document)  # e.g. a certificate identity another client has
+        except ClientsFileError as exc:
+            raise ValueError(str(exc)) from None
         write_document(path, document)
+    if secret is None:
+        print(f"client {client_id!r} added to {path}: by certificate", file=sys.stderr)
+        return 0
     print(secret)
     print(
         f"client {client_id!r} added to {path}; the secret above is shown only once",
@@ -116,14 +149,18 @@ def _add(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     path = _path(args)
     registry = parse_clients(read_document(path))
-    listing = [
-        {
+    listing = []
+    for client in sorted(registry, key=lambda c: c.client_id):
+        entry: dict[str, Any] = {
             "client_id": client.client_id,
             "admin": client.admin,
             "allow": [rule.to_json() for rule in client.allow],
         }
-        for client in sorted(registry, key=lambda c: c.client_id)
-    ]
+        if client.certificates:
+            entry["certificates"] = sorted(client.certificates)
+        if client.certificate_only:
+            entry["authentication"] = "certificate"
+        listing.append(entry)
     print(json.dumps({"clients": listing}, indent=2))
     return 0
 
