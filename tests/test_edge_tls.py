@@ -131,6 +131,19 @@ def test_dev_tls_writes_an_https_credential_with_its_ca(tls_server: Server) -> N
         httpx.get(tls_server.url + "/healthz", timeout=5)
 
 
+def test_cryptd_call_reads_the_ca_from_the_credential(tls_server: Server) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "call", "encrypt", "aes256-gcm", "--data", "hi"],
+        env={**os.environ, "CRYPTD_DEV_DIR": str(tls_server.directory / "dev")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert orjson.loads(done.stdout)["key_version"] == 1
+
+
 # --- protocol policy ---------------------------------------------------------------------
 
 
