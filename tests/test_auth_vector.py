@@ -92,6 +92,7 @@ async def vector_app(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     )
     settings = Settings(
         env="production",
+        tls="off",  # called in-process: no socket, no TLS to terminate
         master_key_file=tmp_path / "master.key",
         keyring_file=keyring,
         clients_file=clients,

@@ -27,6 +27,7 @@ def _production(tmp_path: Path, **settings: object) -> httpx.AsyncClient:
     app = create_app(
         Settings(
             env="production",
+            tls="off",  # called in-process: no socket, no TLS to terminate
             master_key_file=tmp_path / "master.key",
             keyring_file=tmp_path / "keyring.json",
             clients_file=tmp_path / "clients.json",
@@ -37,9 +38,7 @@ def _production(tmp_path: Path, **settings: object) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cryptd")
 
 
-@pytest.mark.parametrize(
-    "path", ["/docs", "/openapi.json", "/docs-assets/swagger-ui.css"]
-)
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/docs-assets/swagger-ui.css"])
 async def test_production_serves_no_docs_by_default(tmp_path: Path, path: str) -> None:
     async with _production(tmp_path) as http:
         answer = await http.get(path)
