@@ -135,7 +135,14 @@ def create_app(
 
     async def replay_ready() -> tuple[bool, dict[str, Any]]:
         ok = await auth.replay.ping()
-        return ok, {"backend": "redis" if auth.redis is not None else "memory"}
+        return ok, {"backend": auth.replay.backend}
+
+    # Which server worker answered (each has its own connections): lets a client or a test
+    # reach every worker by opening connections until each index has been seen.
+    server_detail = {"worker": settings.worker_index, "workers": settings.workers}
+
+    async def server_ready() -> tuple[bool, dict[str, Any]]:
+        return True, server_detail
 
     async def audit_ready() -> tuple[bool, dict[str, Any]]:
         return logs.audit.healthy(), {"enabled": logs.audit.enabled}
@@ -144,6 +151,7 @@ def create_app(
         ("pool", pool_ready),
         ("replay_store", replay_ready),
         ("audit", audit_ready),
+        ("server", server_ready),
     ]
 
     async def publish_pool_gauges() -> None:

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.auth.signature import DEFAULT_MAX_SKEW
+from service.cpus import available_cpus
 from service.pool.base import ExecutorKind
 
 # Where a key type's work runs: an executor kind, or "mixed": one item on the event loop,
@@ -43,21 +45,14 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
 }
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity: taskset, cpusets), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CRYPTD_", extra="ignore")
 
     env: Literal["production", "development"] = "production"
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
-    workers: int = Field(default=1, ge=1, le=256)
+    workers: int = Field(default=0, ge=0, le=256)  # 0: one per CPU available (service/cpus.py)
+    worker_index: int = Field(default=0, ge=0)  # set by the supervisor in each worker process
 
     master_key: SecretStr | None = None
     master_key_file: Path | None = None
@@ -78,7 +73,14 @@ class Settings(BaseSettings):
 
     clients_file: Path | None = None
     signature_max_age: int = Field(default=300, ge=1, le=3600)
+    # How far ahead of this server's clock a signature's created may be; also how long a
+    # replay store that starts empty refuses what was signed before it (docs/AUTH.md).
+    signature_max_skew: int = Field(default=DEFAULT_MAX_SKEW, ge=1, le=300)
     redis_url: str | None = None
+    # The host-local replay store every server worker shares (cryptd serve sets it when
+    # neither it nor CRYPTD_REDIS_URL is given); with Redis configured, Redis is the store.
+    replay_dir: Path | None = None
+    replay_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     replay_fail_open: bool = False
     rate_limit_per_second: float = Field(default=0.0, ge=0)
     rate_limit_burst: int = Field(default=0, ge=0)
@@ -154,9 +156,24 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _size_pool(self) -> Settings:
-        # Crypto threads across all server workers = cores: more only adds contention.
+        # One server worker per CPU this process may use (affinity, cgroup quota), and crypto
+        # threads across all server workers = those CPUs: more only adds contention.
+        cpus = available_cpus()
+        if self.workers == 0:
+            self.workers = cpus
         if self.pool_workers == 0:
-            self.pool_workers = max(1, available_cpus() // self.workers)
+            self.pool_workers = max(1, cpus // self.workers)
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_unshared_replay_store(self) -> Settings:
+        # In development too: each worker's own memory would accept a replay once per worker.
+        if self.workers > 1 and self.redis_url is None and self.replay_dir is None:
+            raise ValueError(
+                f"CRYPTD_WORKERS={self.workers} needs a replay store every worker shares: "
+                "set CRYPTD_REPLAY_DIR (cryptd serve does) or CRYPTD_REDIS_URL, or run one "
+                "worker (CRYPTD_WORKERS=1)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -167,9 +184,6 @@ class Settings(BaseSettings):
             raise ValueError("CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE is required")
         if self.clients_file is None:
             raise ValueError("CRYPTD_CLIENTS_FILE is required outside development")
-        if self.workers > 1 and self.redis_url is None:
-            # Each worker process would keep its own nonces: a replay could land on another.
-            raise ValueError("CRYPTD_WORKERS > 1 needs CRYPTD_REDIS_URL for replay protection")
         if (url := self.keystore_url_value()) is not None and (weak := _weak_tls(url)):
             raise ValueError(
                 f"CRYPTD_KEYSTORE_URL reaches {weak} without TLS verification: add "

@@ -165,6 +165,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     stop_server(running)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_redis_replay_epoch() -> None:
+    """A brand-new shared Redis (CI starts one) would get its replay-store epoch from the first
+    request that reaches it, and refuse requests signed in the seconds before (503, the
+    restart window of docs/AUTH.md). Every test client's secret is new, so nothing of theirs
+    was accepted before: epoch 0 is the truth here. An existing epoch is left alone."""
+    import redis
+
+    with (
+        contextlib.suppress(redis.RedisError),
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1) as client,
+    ):
+        client.set("cryptd:nonce:epoch", 0, nx=True)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The real Redis; skipped where none runs, but a failure under CI."""

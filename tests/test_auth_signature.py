@@ -242,9 +242,13 @@ def test_altered_request(change: dict[str, Any], reason: str) -> None:
 
 def test_age_window_edges_are_inclusive() -> None:
     assert _verify(_signed(), now=NOW + 300).keyid == "app-1"
-    assert _verify(_signed(), now=NOW - 300).keyid == "app-1"
     assert _verify(_signed(), now=NOW + 10, max_age=10).keyid == "app-1"
     assert _reason(lambda: _verify(_signed(), now=NOW + 11, max_age=10)) == "stale"
+    # Ahead of the server's clock: max_skew (5 s by default), not max_age.
+    assert _verify(_signed(), now=NOW - 5).keyid == "app-1"
+    assert _reason(lambda: _verify(_signed(), now=NOW - 6)) == "future"
+    assert _verify(_signed(), now=NOW - 300, max_skew=300).keyid == "app-1"
+    assert _reason(lambda: _verify(_signed(), now=NOW - 301, max_skew=300)) == "future"
 
 
 def test_altered_content_type_and_digest_header() -> None:

@@ -43,7 +43,8 @@ from service.auth.middleware import (
 )
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter
 from service.auth.redis_client import close, connect
-from service.auth.replay import MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.auth.replay import KEY_PREFIX, MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.auth.signature import DEFAULT_MAX_SKEW
 from service.errors import (
     Conflict,
     CryptdError,
@@ -309,6 +310,7 @@ def make_app(
     replay: ReplayStore | None = None,
     rate_limiter: RateLimiter | None = None,
     max_age: int = 300,
+    max_skew: int = DEFAULT_MAX_SKEW,
     fail_open: bool = False,
     failures: list[str] | None = None,
     rejections: list[str] | None = None,
@@ -347,6 +349,7 @@ def make_app(
         replay=replay_store,
         rate_limiter=rate_limiter,
         max_age=max_age,
+        max_skew=max_skew,
         fail_open=fail_open,
         on_failure=None if failures is None else failures.append,
         on_rejection=None if rejections is None else rejections.append,
@@ -448,7 +451,10 @@ def _wait_for(ready: Callable[[], bool], proc: subprocess.Popen[bytes]) -> None:
 
 
 class RedisServer:
-    """A private redis-server (no persistence) on a free port; stop() and start() at will."""
+    """A private redis-server (no persistence) on a free port; stop() and start() at will.
+
+    Its first start sets the replay store's epoch to 0 (a brand-new server has lost nothing,
+    so requests are accepted at once); a restart leaves it unset, as a real restart does."""
 
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
@@ -458,6 +464,7 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False
 
     def start(self) -> None:
         self._proc = subprocess.Popen(
@@ -476,6 +483,17 @@ class RedisServer:
         )
         proc = self._proc
         _wait_for(lambda: redis_reachable(self.url), proc)
+        if not self._started:
+            with redis.Redis.from_url(self.url) as client:
+                client.set(f"{KEY_PREFIX}epoch", 0, nx=True)
+        self._started = True
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, every nonce gone."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
 
     def stop(self) -> None:
         if self._proc is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from redis.asyncio import Redis
 
 from service.auth import redis_client
 from service.auth.ratelimit import RedisRateLimiter
-from service.auth.replay import RedisReplayStore
+from service.auth.replay import RedisReplayStore, StoreRecovering
 from service.errors import RateLimited
 from tests.test_k8s_support import make_secrets, redis_from_manifests, world_tempdir
 
@@ -68,9 +69,15 @@ async def test_replay_store_works_with_the_acl(secrets_and_port: tuple[Secrets, 
         store = RedisReplayStore(client)
         nonce = base64.urlsafe_b64encode(os.urandom(12)).decode()
         assert await store.ping() is True
-        assert await store.remember("client-a", nonce, 300) is True
-        assert await store.remember("client-a", nonce, 300) is False  # replay refused
-        assert await store.remember("client-b", nonce, 300) is True
+        # A Redis that has never seen cryptd: the script sets the epoch (TIME, SET NX, GET
+        # under the ACL) and refuses what was signed before it plus the skew.
+        now = int(time.time())
+        with pytest.raises(StoreRecovering):
+            await store.remember("client-a", nonce, now, 300)
+        later = now + 10
+        assert await store.remember("client-a", nonce, later, 300) is True
+        assert await store.remember("client-a", nonce, later, 300) is False  # replay refused
+        assert await store.remember("client-b", nonce, later, 300) is True
         await store.aclose()
 
 

@@ -1,23 +1,33 @@
-"""Replay stores: memory semantics and bounds, Redis shared by processes, Redis outages."""
+"""Replay stores: memory semantics and bounds, Redis shared by processes, Redis outages and
+restarts (the epoch)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+from redis.asyncio import Redis
 
 from service.auth.coalesce import Coalescer
 from service.auth.redis_client import close, connect
-from service.auth.replay import KEY_PREFIX, MemoryReplayStore, RedisReplayStore, StoreUnavailable
+from service.auth.replay import (
+    MemoryReplayStore,
+    RedisReplayStore,
+    StoreRecovering,
+    StoreUnavailable,
+)
 from service.auth.signature import sign_request
+from tests.conftest import start_server, stop_server
 from tests.test_auth_support import (
     SHARED_REDIS_URL,
     RedisServer,
@@ -59,16 +69,27 @@ def test_memory_store_refuses_when_full_instead_of_forgetting() -> None:
     assert store.remember_now("a", "4", 60, now=61.0)  # room again once they expire
 
 
+def _now() -> int:
+    return int(time.time())
+
+
+async def _fresh_prefix(client: Redis) -> str:
+    """A key prefix of its own on the shared Redis, with epoch 0 (nothing was lost), expiring."""
+    prefix = f"test:{uuid.uuid4().hex}:"
+    await client.set(f"{prefix}epoch", 0, ex=600)
+    return prefix
+
+
 async def test_redis_store_is_atomic_and_expires() -> None:
     require_redis()
     client = connect(SHARED_REDIS_URL)
-    store = RedisReplayStore(client)
+    store = RedisReplayStore(client, prefix=await _fresh_prefix(client))
     try:
         nonce = uuid.uuid4().hex
-        assert await store.remember("app", nonce, 5)
-        assert not await store.remember("app", nonce, 5)
-        assert await store.remember("other", nonce, 5)
-        ttl = await client.ttl(f"{KEY_PREFIX}app:{nonce}")
+        assert await store.remember("app", nonce, _now(), 5)
+        assert not await store.remember("app", nonce, _now(), 5)
+        assert await store.remember("other", nonce, _now(), 5)
+        ttl = await client.ttl(f"{store._prefix}app:{nonce}")
         assert 0 < ttl <= 5
         assert await store.ping()
     finally:
@@ -79,19 +100,55 @@ async def test_redis_store_is_atomic_and_expires() -> None:
 async def test_concurrent_requests_share_one_script_call() -> None:
     require_redis()
     client = connect(SHARED_REDIS_URL)
-    store = RedisReplayStore(client)
+    store = RedisReplayStore(client, prefix=await _fresh_prefix(client))
     try:
         nonces = [uuid.uuid4().hex for _ in range(300)]
         # Every nonce twice, the copies interleaved: exactly one of each pair is first.
-        results = await asyncio.gather(*(store.remember("app", n, 5) for n in nonces + nonces))
+        now = _now()
+        results = await asyncio.gather(*(store.remember("app", n, now, 5) for n in nonces + nonces))
         assert results == [True] * 300 + [False] * 300
         assert store._coalescer.batches <= 10  # 600 nonces, a handful of round trips
         # A lone request is not held back waiting for company.
-        assert await store.remember("app", uuid.uuid4().hex, 5)
+        assert await store.remember("app", uuid.uuid4().hex, _now(), 5)
         # After SCRIPT FLUSH (as after a Redis restart) the script is sent again.
         await client.script_flush()
-        assert await store.remember("app", uuid.uuid4().hex, 5)
+        assert await store.remember("app", uuid.uuid4().hex, _now(), 5)
     finally:
+        await store.aclose()
+        await close(client)
+
+
+async def test_redis_epoch_is_set_once_and_refuses_what_was_signed_before_it() -> None:
+    """A Redis that has lost its nonces (restart, flush) has no epoch: the first script call
+    sets one, atomically with its own nonces, and requests created before epoch + skew are
+    refused with how long to wait; nothing of theirs is stored."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL)
+    prefix = f"test:{uuid.uuid4().hex}:"
+    store = RedisReplayStore(client, prefix=prefix, max_skew=5)
+    try:
+        before = _now()
+        with pytest.raises(StoreRecovering) as refused:
+            await store.remember("app", "n1", before, 300)
+        epoch = int(await client.get(f"{prefix}epoch"))
+        assert before < epoch <= before + 2  # Redis's clock, rounded up
+        assert refused.value.retry_after == epoch + 5 - before
+        assert await client.exists(f"{prefix}app:n1") == 0
+        await client.expire(f"{prefix}epoch", 600)  # the test's keys go away by themselves
+        # In one batch: the early one refused, the late one stored, the late one's copy a replay.
+        results = await asyncio.gather(
+            store.remember("app", "n2", epoch + 4, 300),
+            store.remember("app", "n3", epoch + 5, 300),
+            store.remember("app", "n3", epoch + 5, 300),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], StoreRecovering)
+        assert results[0].retry_after == 1
+        assert results[1:] == [True, False]
+        # The epoch is never moved by later calls.
+        assert int(await client.get(f"{prefix}epoch")) == epoch
+    finally:
+        await client.delete(f"{prefix}app:n3")
         await store.aclose()
         await close(client)
 
@@ -122,7 +179,7 @@ async def test_unreachable_redis_fails_fast() -> None:
     client = connect("redis://127.0.0.1:1/0")
     store = RedisReplayStore(client)
     with pytest.raises(StoreUnavailable):
-        await store.remember("app", "n", 5)
+        await store.remember("app", "n", _now(), 5)
     assert not await store.ping()
     await store.aclose()
     await close(client)
@@ -149,6 +206,15 @@ def test_replay_refused_across_two_server_processes(tmp_path: Path) -> None:
         assert httpx.get(first + "/v1/keys", headers=fresh).status_code == 401
 
 
+def _wait_out(response: httpx.Response) -> None:
+    """A 503 from a restarted store says how long to wait; wait that long."""
+    assert response.status_code == 503, response.text
+    assert response.json() == {
+        "error": {"code": "overloaded", "message": "replay store restarted: sign the request again"}
+    }
+    time.sleep(int(response.headers["retry-after"]))
+
+
 @pytest.mark.slow
 def test_redis_outage_answers_503_and_recovers_by_itself(tmp_path: Path) -> None:
     clients_file = tmp_path / "clients.json"
@@ -158,12 +224,14 @@ def test_redis_outage_answers_503_and_recovers_by_itself(tmp_path: Path) -> None
         client = connect(private_redis.url)
         app = make_app(
             clients_file,
-            replay=RedisReplayStore(client),
+            replay=RedisReplayStore(client, max_skew=1),
+            max_skew=1,
             rejections=rejections,
             redis_client=client,
         )
         with Server(app) as srv, httpx.Client(base_url=srv.url) as http:
-            assert http.get("/v1/keys", headers=_sign_get(secrets["app"])).status_code == 200
+            accepted = _sign_get(secrets["app"])
+            assert http.get("/v1/keys", headers=accepted).status_code == 200
 
             private_redis.stop()
             for _ in range(3):
@@ -178,10 +246,16 @@ def test_redis_outage_answers_503_and_recovers_by_itself(tmp_path: Path) -> None
             print(f"\nrequest while Redis is down: {elapsed * 1000:.1f} ms")
 
             private_redis.start()  # same port, empty: no restart of our server
+            # The request accepted before the restart is not accepted again...
+            assert http.get("/v1/keys", headers=accepted).status_code == 503
+            # ...and a fresh one waits out the restart window (a second or two here).
+            _wait_out(http.get("/v1/keys", headers=_sign_get(secrets["app"])))
             headers = _sign_get(secrets["app"])
             assert http.get("/v1/keys", headers=headers).status_code == 200
             assert http.get("/v1/keys", headers=headers).status_code == 401  # replay again caught
-    assert rejections == ["replay_unavailable"] * 3
+            assert http.get("/v1/keys", headers=accepted).status_code in (401, 503)
+    assert rejections[:3] == ["replay_unavailable"] * 3
+    assert set(rejections[3:]) == {"replay_recovering"}
 
 
 @pytest.mark.slow
@@ -194,7 +268,11 @@ def test_fail_open_accepts_during_an_outage_and_warns_once(
     with RedisServer() as private_redis:
         client = connect(private_redis.url)
         app = make_app(
-            clients_file, replay=RedisReplayStore(client), fail_open=True, redis_client=client
+            clients_file,
+            replay=RedisReplayStore(client, max_skew=1),
+            max_skew=1,
+            fail_open=True,
+            redis_client=client,
         )
         with Server(app) as srv, httpx.Client(base_url=srv.url) as http:
             private_redis.stop()
@@ -210,9 +288,101 @@ def test_fail_open_accepts_during_an_outage_and_warns_once(
             assert "fail-open" in outage[0].getMessage()
 
             private_redis.start()
+            # Fail-open covers an outage, not the restart window: what was signed before the
+            # restart is refused even so.
+            _wait_out(http.get("/v1/keys", headers=headers))
+            headers = _sign_get(secrets["app"])
             assert http.get("/v1/keys", headers=headers).status_code == 200
             assert http.get("/v1/keys", headers=headers).status_code == 401
     assert any("reachable again" in r.getMessage() for r in caplog.records)
+    assert sum("replay store restarted" in r.getMessage() for r in caplog.records) == 1
+
+
+@dataclass
+class Outcome:
+    at: float  # monotonic time the answer came
+    status: int
+    headers: dict[str, str]
+
+
+def _load(server_url: str, secret: bytes, stop: threading.Event, out: list[Outcome]) -> None:
+    """Fresh signed requests, one after another on one keep-alive connection, until stopped."""
+    with httpx.Client(base_url=server_url, timeout=10) as http:
+        while not stop.is_set():
+            headers = sign_request("GET", "/v1/keys", "", b"", "dev", secret)
+            try:
+                status = http.get("/v1/keys", headers=headers).status_code
+            except httpx.HTTPError:
+                status = 0
+            out.append(Outcome(time.monotonic(), status, headers))
+
+
+@pytest.mark.slow
+def test_redis_killed_and_restarted_under_load_accepts_no_replay(tmp_path: Path) -> None:
+    """Two server workers on a private Redis under steady load; Redis is SIGKILLed and started
+    again empty. Every request accepted before the kill is replayed, through fresh connections
+    (so both workers get some), right after the restart and again once the window has passed:
+    none is accepted. Fresh requests get 503 (Retry-After) for the restart window, then 200."""
+    with RedisServer() as private_redis:
+        server = start_server(tmp_path / "srv", {"CRYPTD_REDIS_URL": private_redis.url}, workers=2)
+        stop = threading.Event()
+        outcomes: list[list[Outcome]] = [[] for _ in range(6)]
+        threads = [
+            threading.Thread(target=_load, args=(server.url, server.secret, stop, out))
+            for out in outcomes
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            time.sleep(3)
+            killed = time.monotonic()
+            private_redis.kill()
+            time.sleep(1)
+            private_redis.start()
+            restarted = time.monotonic()
+            # The latest 200 accepted before the kill, in acceptance order.
+            accepted_before = sorted(
+                (o for out in outcomes for o in out if o.status == 200 and o.at < killed),
+                key=lambda o: o.at,
+            )[-200:]
+            # A new connection for every replay: the kernel spreads them over the workers.
+            fresh_connections = httpx.Limits(max_keepalive_connections=0)
+
+            def replay_all() -> list[int]:
+                with httpx.Client(
+                    base_url=server.url, limits=fresh_connections, timeout=10
+                ) as http:
+                    return [
+                        http.get("/v1/keys", headers=o.headers).status_code for o in accepted_before
+                    ]
+
+            at_once = replay_all()
+            time.sleep(8)  # past the restart window (skew 5 s + rounding)
+            later = replay_all()
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            stop_server(server)
+    assert len(accepted_before) >= 64
+    assert 200 not in at_once, "a request accepted before the restart was accepted again"
+    assert 200 not in later, "a request accepted before the restart was accepted again"
+    assert set(at_once) <= {401, 503}
+    assert set(later) <= {401, 503}
+    after = sorted((o for out in outcomes for o in out if o.at > restarted), key=lambda o: o.at)
+    first_ok = next(o.at for o in after if o.status == 200)
+    refused = [o for o in after if o.at < first_ok]
+    assert {o.status for o in refused} <= {503}
+    assert first_ok - restarted < 5 + 3  # the skew, rounding and a loaded machine
+    settled = [o.status for o in after if o.at > first_ok + 1]
+    assert settled
+    assert set(settled) == {200}
+    print(
+        f"\n{len(accepted_before)} accepted before the kill, replayed twice: "
+        f"{sorted(set(at_once))} / {sorted(set(later))}; fresh requests after the restart: "
+        f"{len(refused)} refused (503) for {first_ok - restarted:.1f} s, then "
+        f"{len(settled)} accepted"
+    )
 
 
 def test_shared_redis_is_left_running() -> None:

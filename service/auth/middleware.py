@@ -27,8 +27,8 @@ from service.asgi import ASGIApp, Message, Receive, Scope, Send, route_path, sen
 from service.auth.certs import peer_identities
 from service.auth.clients import Client, ClientRegistry
 from service.auth.ratelimit import RateLimiter
-from service.auth.replay import ReplayStore, StoreUnavailable
-from service.auth.signature import SIGNATURE_HEADERS, AuthError, verify_request
+from service.auth.replay import ReplayStore, StoreRecovering, StoreUnavailable
+from service.auth.signature import DEFAULT_MAX_SKEW, SIGNATURE_HEADERS, AuthError, verify_request
 from service.errors import Forbidden, Overloaded, RateLimited, Unauthenticated, UnsupportedMediaType
 
 logger = logging.getLogger("cryptd.auth")
@@ -53,6 +53,7 @@ class SignatureAuthMiddleware:
         replay: ReplayStore,
         rate_limiter: RateLimiter | None,
         max_age: int,
+        max_skew: int = DEFAULT_MAX_SKEW,
         fail_open: bool,
         on_failure: Callable[[str], None] | None = None,
         on_rejection: Callable[[str], None] | None = None,
@@ -61,17 +62,21 @@ class SignatureAuthMiddleware:
         """``on_failure(reason)`` is called for every 401 (reasons: see
         :data:`service.auth.signature.Reason`); ``on_rejection(cause)`` for every request
         refused after authentication: ``"rate_limited"`` (429), ``"replay_unavailable"``
-        (503) or ``"media_type"`` (415). Both are for metrics and must not raise."""
+        (503), ``"replay_recovering"`` (503: created before the replay store's epoch) or
+        ``"media_type"`` (415). Both are for metrics and must not raise. ``max_skew`` must be
+        the one the replay store was given."""
         self.app = app
         self.registry_provider = registry_provider
         self.replay = replay
         self.rate_limiter = rate_limiter
         self.max_age = max_age
+        self.max_skew = max_skew
         self.fail_open = fail_open
         self.on_failure = on_failure
         self.on_rejection = on_rejection
         self.clock = clock
         self._store_down = False
+        self._recovering_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or not _protected(scope):
@@ -116,6 +121,7 @@ class SignatureAuthMiddleware:
             secret_for=registry.secret_for,
             now=now,
             max_age=self.max_age,
+            max_skew=self.max_skew,
         )
         client = registry.get(signed.keyid)
         if client is None:  # removed between the two lookups by a reload: same answer
@@ -125,7 +131,7 @@ class SignatureAuthMiddleware:
 
         # Remember the nonce until the signature could no longer pass the created check.
         ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
-        if not await self._remember(signed.keyid, signed.nonce, ttl):
+        if not await self._remember(signed.keyid, signed.nonce, signed.created, ttl):
             raise AuthError("replayed")
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
@@ -169,15 +175,34 @@ class SignatureAuthMiddleware:
             self._rejected("rate_limited", scope)
             retry_after = str(max(1, math.ceil(exc.retry_after))).encode()
             await send_error(send, 429, exc.code, exc.message, [(b"retry-after", retry_after)])
+        elif isinstance(exc, StoreRecovering):
+            # Perhaps the replay of a request accepted before the store started; an honest
+            # client signs again (a new created time) after Retry-After and gets through.
+            self._rejected("replay_recovering", scope)
+            await send_error(
+                send,
+                503,
+                Overloaded.code,
+                "replay store restarted: sign the request again",
+                [(b"retry-after", str(exc.retry_after).encode())],
+            )
         else:
             self._rejected("replay_unavailable", scope)
             await send_error(
                 send, 503, Overloaded.code, "replay store unavailable", [(b"retry-after", b"1")]
             )
 
-    async def _remember(self, keyid: str, nonce: str, ttl: int) -> bool:
+    async def _remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
         try:
-            first = await self.replay.remember(keyid, nonce, ttl)
+            first = await self.replay.remember(keyid, nonce, created, ttl)
+        except StoreRecovering:  # never fail-open: the window is short and exactly the risk
+            if not self._recovering_logged:
+                self._recovering_logged = True
+                logger.warning(
+                    "replay store restarted: refusing requests signed before its start "
+                    "(503, Retry-After) so that none accepted earlier is accepted again"
+                )
+            raise
         except StoreUnavailable as exc:
             if not self._store_down:
                 self._store_down = True
@@ -194,6 +219,7 @@ class SignatureAuthMiddleware:
         if self._store_down:
             self._store_down = False
             logger.warning("replay store reachable again")
+        self._recovering_logged = False  # the next restart is logged again
         return first
 
     def _rejected(self, cause: str, scope: Scope) -> None:

@@ -10,6 +10,7 @@ from service.auth.clients import ClientsFile
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from service.auth.redis_client import close, connect
 from service.auth.replay import MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.auth.replay_host import HostReplayStore
 from service.config import Settings
 
 if TYPE_CHECKING:
@@ -35,20 +36,35 @@ class AuthParts:
 
 
 def build_auth(settings: Settings, clients_file: Path | None = None) -> AuthParts:
-    """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set, else in
-    memory. ``clients_file`` overrides ``settings.clients_file`` (the development setup
-    writes its own)."""
+    """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set; else the
+    replay store in ``CRYPTD_REPLAY_DIR`` (shared by the host's workers) or, without one, in
+    memory (one process), and the rate limiter in memory. ``clients_file`` overrides
+    ``settings.clients_file`` (the development setup writes its own)."""
     path = clients_file or settings.clients_file
     if path is None:
         raise ValueError("CRYPTD_CLIENTS_FILE is not set")
     redis = connect(settings.redis_url) if settings.redis_url else None
-    replay: ReplayStore = MemoryReplayStore() if redis is None else RedisReplayStore(redis)
-    rate_limiter: RateLimiter | None = None
-    if settings.rate_limit_per_second > 0:
-        rate, burst = settings.rate_limit_per_second, settings.rate_limit_burst
-        rate_limiter = (
-            MemoryRateLimiter(rate, burst)
-            if redis is None
-            else RedisRateLimiter(redis, rate, burst)
+    return AuthParts(
+        ClientsFile(path), replay_store(settings, redis), _limiter(settings, redis), redis
+    )
+
+
+def replay_store(settings: Settings, redis: Redis | None) -> ReplayStore:
+    skew = settings.signature_max_skew
+    if redis is not None:
+        return RedisReplayStore(redis, max_skew=skew)
+    if settings.replay_dir is not None:
+        return HostReplayStore(
+            settings.replay_dir,
+            max_age=settings.signature_max_age,
+            max_skew=skew,
+            max_bytes=settings.replay_max_bytes,
         )
-    return AuthParts(ClientsFile(path), replay, rate_limiter, redis)
+    return MemoryReplayStore()
+
+
+def _limiter(settings: Settings, redis: Redis | None) -> RateLimiter | None:
+    if settings.rate_limit_per_second <= 0:
+        return None
+    rate, burst = settings.rate_limit_per_second, settings.rate_limit_burst
+    return MemoryRateLimiter(rate, burst) if redis is None else RedisRateLimiter(redis, rate, burst)

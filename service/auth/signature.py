@@ -45,6 +45,10 @@ from cryptd_client.signing import signature_base as signature_base
 from service.errors import Unauthenticated
 
 DEFAULT_MAX_AGE: Final = 300
+# How far ahead of the server's clock ``created`` may be. Small on purpose: a replay store that
+# starts empty (a Redis restart) refuses requests created before its start plus this much, so
+# this bounds what a restart costs (docs/AUTH.md, "Replay protection").
+DEFAULT_MAX_SKEW: Final = 5
 MAX_NONCE_LENGTH: Final = 128
 # Field values longer than this are refused before parsing: a real one is ~200 bytes.
 MAX_FIELD_LENGTH: Final = 2048
@@ -62,7 +66,7 @@ Reason = Literal[
     "bad_params",  # created/nonce/keyid missing, of the wrong type, or unknown parameters
     "wrong_alg",  # alg missing or not hmac-sha256
     "stale",  # created older than max_age
-    "future",  # created more than max_age ahead
+    "future",  # created more than max_skew ahead
     "unknown_client",  # keyid names no configured client
     "bad_signature",  # the HMAC does not match
     "bad_digest",  # Content-Digest does not match the body
@@ -277,12 +281,14 @@ def verify_request(
     secret_for: Callable[[str], bytes | None],
     now: float,
     max_age: int = DEFAULT_MAX_AGE,
+    max_skew: int = DEFAULT_MAX_SKEW,
 ) -> SignatureInput:
     """Verify one request; return its signature parameters or raise :class:`AuthError`.
 
     ``path`` is the request path as sent (still percent-encoded), ``query`` the query string
     without ``?`` (empty when none), ``headers`` maps lower-case names to combined values.
     ``secret_for(keyid)`` returns the client's HMAC key, or None for an unknown client.
+    ``created`` may be up to ``max_age`` seconds behind ``now`` and ``max_skew`` ahead.
     Nothing here remembers nonces: replay is the caller's job, after this returns.
     """
     sig_input_field = headers.get("signature-input")
@@ -306,7 +312,7 @@ def verify_request(
         digests = parse_content_digest(digest_field)
     if parsed.created < now - max_age:
         raise AuthError("stale")
-    if parsed.created > now + max_age:
+    if parsed.created > now + max_skew:
         raise AuthError("future")
 
     # RFC 9421 section 2.5, for exactly COVERED_COMPONENTS (what signature_base builds).

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from service.auth.clients import generate_secret, write_document
+from service.auth.replay_host import HostReplayStore
 from service.cli.supervisor import Supervisor
 from service.config import Settings, decode_master_key
 from service.crypto.registry import KEY_TYPES
@@ -138,6 +139,39 @@ def _prepare_metrics_dir(settings: Settings) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
 
 
+def _prepare_replay_dir(dev_directory: Path | None) -> None:
+    """Without Redis the server workers share a replay store on this host
+    (service/auth/replay_host.py) in ``CRYPTD_REPLAY_DIR``: the development directory's
+    ``replay/`` in development, else a fresh private directory, memory-backed where possible
+    and removed at exit (a new store, so it refuses what was signed before it started)."""
+    if os.environ.get("CRYPTD_REDIS_URL") or os.environ.get("CRYPTD_REPLAY_DIR"):
+        return
+    if dev_directory is not None:
+        directory = dev_directory / "replay"
+    else:
+        shm = "/dev/shm"  # noqa: S108 - mkdtemp below makes the name unpredictable
+        base = shm if os.access(shm, os.W_OK) else None
+        directory = Path(tempfile.mkdtemp(prefix="cryptd-replay-", dir=base))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ["CRYPTD_REPLAY_DIR"] = str(directory.resolve())
+
+
+def _open_replay_store(settings: Settings, dev_created: bool) -> None:
+    """Open the host store once before any worker does: a directory that is not private
+    fails here with its reason. A store created together with the development clients
+    needs no start-up window (nothing signed by them can have been accepted before)."""
+    if settings.redis_url or settings.replay_dir is None:
+        return
+    store = HostReplayStore(
+        settings.replay_dir,
+        max_age=settings.signature_max_age,
+        max_skew=settings.signature_max_skew,
+        max_bytes=settings.replay_max_bytes,
+        epoch=0 if dev_created else None,
+    )
+    store.close()
+
+
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
@@ -151,10 +185,11 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["CRYPTD_WORKERS"] = str(args.workers)
     if args.tls and not args.dev:
         os.environ["CRYPTD_TLS"] = "on"
+    dev_directory, dev_created = None, False
     if args.dev:
         host = os.environ.get("CRYPTD_HOST", "127.0.0.1")
         port = os.environ.get("CRYPTD_PORT", "8080")
-        directory = Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev"))
+        directory = dev_directory = Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev"))
         ca_file = None
         if args.tls:
             names = [socket.gethostname()] if host in ("0.0.0.0", "::", "") else [host]
@@ -163,10 +198,14 @@ def serve(args: argparse.Namespace) -> int:
             os.environ["CRYPTD_TLS_KEY_FILE"] = str(dev_tls.key_file)
             ca_file = dev_tls.ca_file
         scheme = "https" if args.tls else "http"
-        prepare_dev_dir(directory, f"{scheme}://{host}:{port}", ca_file)
+        dev_created = prepare_dev_dir(directory, f"{scheme}://{host}:{port}", ca_file)
+    _prepare_replay_dir(dev_directory)
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     settings.load_master_key()
+    # Every worker sees the count the supervisor starts (and sizes its pool by it).
+    os.environ["CRYPTD_WORKERS"] = str(settings.workers)
+    _open_replay_store(settings, dev_created)
     _prepare_metrics_dir(settings)
     configure_logging(settings.log_level, settings.access_log, "off")
     if settings.tls == "off":
@@ -221,7 +260,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--dev", action="store_true", help="development mode with local state")
     parser.add_argument("--host", help="bind address (default $CRYPTD_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default $CRYPTD_PORT or 8080)")
-    parser.add_argument("--workers", type=int, help="server worker processes")
+    parser.add_argument(
+        "--workers", type=int, help="server worker processes (default: one per CPU available)"
+    )
     parser.add_argument(
         "--tls",
         action="store_true",

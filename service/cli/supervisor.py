@@ -39,6 +39,7 @@ from service.edge.server import EdgeServer, bind
 log = logging.getLogger("cryptd.supervisor")
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+WORKER_INDEX_VARIABLE = "CRYPTD_WORKER_INDEX"  # Settings.worker_index of each worker
 STARTUP_FAILURE = 3  # uvicorn's exit status for a worker whose startup failed
 FAST_FAILURE_SECONDS = 10.0  # a worker that fails this soon after its start is not retried
 CHECK_INTERVAL = 0.5
@@ -81,8 +82,10 @@ def _children() -> set[int]:
     return found
 
 
-def run_worker(config: uvicorn.Config) -> None:
-    """One server worker (in its own process): its own socket, then uvicorn as usual."""
+def run_worker(config: uvicorn.Config, index: int = 0) -> None:
+    """One server worker (in its own process): its own socket, then uvicorn as usual.
+    ``index``: 0 .. workers - 1, taken over by the worker that replaces a dead one."""
+    os.environ[WORKER_INDEX_VARIABLE] = str(index)
     # A SIGHUP passed on while this worker still starts must not end it (the default action);
     # the app installs its keyring-reload handler at startup, and loads the keyring then anyway.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -107,7 +110,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._forward)
         become_subreaper()
         # The same list the SIGHUP handler reads: replacements are seen there too.
-        processes = self._processes = [self._start() for _ in range(self.workers)]
+        processes = self._processes = [self._start(index) for index in range(self.workers)]
         started = [time.monotonic()] * self.workers
         failed = False
         while not self._stop.wait(CHECK_INTERVAL):
@@ -130,14 +133,14 @@ class Supervisor:
                     "server worker exited; starting another",
                     extra={"pid": process.pid, "exit_code": process.exitcode},
                 )
-                processes[index] = self._start()
+                processes[index] = self._start(index)
                 started[index] = time.monotonic()
             reap_orphans(exclude={process.pid for process in processes})
         self._stop_all(processes)
         return 1 if failed else 0
 
-    def _start(self) -> BaseProcess:
-        process = self._context.Process(target=run_worker, args=(self.config,), daemon=False)
+    def _start(self, index: int) -> BaseProcess:
+        process = self._context.Process(target=run_worker, args=(self.config, index), daemon=False)
         process.start()
         return process
 

@@ -1,0 +1,242 @@
+"""A replay store shared by every server worker of one host, without a server: an LMDB file.
+
+LMDB is a memory-mapped B-tree with one writer at a time across processes (a robust mutex in
+its lock file) and copy-on-write pages: a transaction is all or nothing, and a worker killed in
+the middle of one leaves the last committed state, the next writer taking the lock over. A
+nonce costs ~2.7 us of CPU here in one write transaction (SQLite in WAL mode: ~16 us; Redis,
+with its round trip: ~60 us a request; docs/PERFORMANCE.md).
+
+Layout. A nonce is stored as a 16-byte BLAKE2b digest of ``keyid:nonce`` (a collision would
+refuse one fresh request, never accept a replay) in one of :data:`SLOTS` sub-databases chosen
+by its request's ``created`` time: slot ``(created // BUCKET_SECONDS) % SLOTS``. A replay has
+the same ``created`` (it is signed), so it meets its original in the same slot; a slot whose
+minute has expired is emptied at once (LMDB frees its pages, ~0.3 ms for 400,000 nonces), so
+there is no expiry per entry and no index to keep.
+
+Bounded: the file never grows past ``max_bytes``; a full store refuses requests
+(:class:`~service.auth.replay.StoreUnavailable`, 503) rather than forget a nonce early.
+
+Epoch: the time the store was created. It is refused what was created before ``epoch +
+max_skew`` (:class:`~service.auth.replay.StoreRecovering`), so a new store (a new pod, a
+reboot, a deleted file) never accepts the replay of a request accepted before it. The file is
+named after the kernel's boot id: after a reboot (when unsynchronised writes may have been
+lost) a new store starts, with a new epoch, and the old file is removed.
+
+The file lives in a private directory ``<directory>/cryptd-replay`` (mode 0700, owned by this
+user, not a symlink: anything else is refused), the files inside are mode 0600. Give it a
+memory-backed directory where possible (tmpfs, a Kubernetes ``emptyDir`` with
+``medium: Memory``): nothing is written to a disk then, and a read-only root filesystem needs
+nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import stat
+import struct
+import time
+from pathlib import Path
+from typing import Final
+
+import lmdb
+
+from service.auth.replay import StoreRecovering, StoreUnavailable
+from service.auth.signature import DEFAULT_MAX_AGE, DEFAULT_MAX_SKEW
+
+BUCKET_SECONDS: Final = 60
+SLOTS: Final = 72  # (SLOTS - 1) * BUCKET_SECONDS must exceed max_age + max_skew (3,600 + 300)
+FORMAT: Final = b"cryptd-replay 1 60 72"
+DEFAULT_MAX_BYTES: Final = 256 * 1024 * 1024  # ~6.5 million nonces (~39 bytes each)
+SWEEP_SECONDS: Final = 10.0  # how often a process looks for expired slots
+SUBDIRECTORY: Final = "cryptd-replay"
+
+_FORMAT_KEY: Final = b"format"
+_EPOCH_KEY: Final = b"epoch"
+_SLOT_KEYS: Final = tuple(b"slot:%02d" % i for i in range(SLOTS))
+_BUCKET: Final = struct.Struct(">q")
+
+
+class ReplayStoreError(ValueError):
+    """The store cannot be opened (directory not private, not writable, ...). The message
+    names the path and what is wrong with it."""
+
+
+class HostReplayStore:
+    backend = "host"
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        max_age: int = DEFAULT_MAX_AGE,
+        max_skew: int = DEFAULT_MAX_SKEW,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        epoch: int | None = None,
+    ) -> None:
+        """Open (or create) the store of this boot in ``directory``. ``epoch`` applies only
+        when the store is created now: 0 tells that no request can have been accepted before
+        it (the development setup creating its clients together with the store)."""
+        if max_age + max_skew >= (SLOTS - 1) * BUCKET_SECONDS:
+            raise ReplayStoreError(f"max_age + max_skew must stay under {SLOTS - 1} minutes")
+        self.path = private_directory(directory) / f"{boot_id()}.lmdb"
+        self.max_age = max_age
+        self.max_skew = max_skew
+        self._next_sweep = 0.0
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                subdir=False,
+                map_size=max_bytes,
+                max_dbs=SLOTS + 1,
+                mode=0o600,
+                # Written through the shared mapping, never flushed: a process that dies keeps
+                # its committed writes (they are in the page cache); a reboot starts a new file.
+                writemap=True,
+                sync=False,
+                metasync=False,
+                readahead=False,
+                meminit=False,
+                lock=True,
+            )
+            self._env.reader_check()  # read slots of dead processes
+            self._meta = self._env.open_db(b"meta")
+            self._slots = [self._env.open_db(b"slot%02d" % i) for i in range(SLOTS)]
+            with self._env.begin(write=True) as txn:
+                self._initialise(txn, epoch)
+        except lmdb.Error as exc:
+            raise ReplayStoreError(f"replay store {self.path}: {exc}") from exc
+        _remove_other_boots(self.path)
+
+    def _initialise(self, txn: lmdb.Transaction[bytes], epoch: int | None) -> None:
+        fmt = txn.get(_FORMAT_KEY, db=self._meta)
+        if fmt is not None and fmt != FORMAT:
+            # Another layout (another version): start afresh, with a new epoch.
+            for slot in self._slots:
+                txn.drop(slot, delete=False)
+            txn.drop(self._meta, delete=False)
+            fmt = None
+            epoch = None
+        if fmt is None:
+            txn.put(_FORMAT_KEY, FORMAT, db=self._meta)
+        start = math.ceil(time.time()) if epoch is None else epoch
+        txn.put(_EPOCH_KEY, b"%d" % start, db=self._meta, overwrite=False)
+
+    @property
+    def epoch(self) -> int:
+        with self._env.begin(db=self._meta) as txn:
+            return _epoch(txn, self._meta)
+
+    async def remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
+        return self.remember_now(keyid, nonce, created, time.time())
+
+    def remember_now(self, keyid: str, nonce: str, created: int, now: float) -> bool:
+        digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
+        bucket = created // BUCKET_SECONDS
+        index = bucket % SLOTS
+        try:
+            if time.monotonic() >= self._next_sweep:
+                self._sweep(now)
+            with self._env.begin(write=True) as txn:
+                floor = _epoch(txn, self._meta) + self.max_skew
+                if created < floor:
+                    raise StoreRecovering(floor - created)
+                wanted = _BUCKET.pack(bucket)
+                held = txn.get(_SLOT_KEYS[index], db=self._meta)
+                if held != wanted:
+                    if held is not None and _BUCKET.unpack(held)[0] > bucket:
+                        # Older than the whole ring: the signature check lets none through.
+                        raise StoreUnavailable("request older than the replay store's window")
+                    # A minute SLOTS minutes old, long expired, makes room for this one.
+                    txn.drop(self._slots[index], delete=False)
+                    txn.put(_SLOT_KEYS[index], wanted, db=self._meta)
+                return bool(txn.put(digest, b"", db=self._slots[index], overwrite=False))
+        except lmdb.MapFullError:
+            raise StoreUnavailable("replay store full") from None
+        except lmdb.Error as exc:
+            raise StoreUnavailable(type(exc).__name__) from exc
+
+    def _sweep(self, now: float) -> None:
+        """Empty the slots whose minute no signature can still be valid for (a transaction
+        of its own, so a full store can make room)."""
+        self._next_sweep = time.monotonic() + SWEEP_SECONDS
+        with self._env.begin(write=True) as txn:
+            for key, slot in zip(_SLOT_KEYS, self._slots, strict=True):
+                held = txn.get(key, db=self._meta)
+                if held is None:
+                    continue
+                end = (_BUCKET.unpack(held)[0] + 1) * BUCKET_SECONDS  # after its last second
+                if end + self.max_age + 1 < now:
+                    txn.drop(slot, delete=False)
+                    txn.delete(key, db=self._meta)
+
+    def __len__(self) -> int:
+        with self._env.begin() as txn:
+            return sum(txn.stat(slot)["entries"] for slot in self._slots)
+
+    async def ping(self) -> bool:
+        try:
+            return time.time() >= self.epoch + self.max_skew
+        except lmdb.Error:
+            return False
+
+    def close(self) -> None:
+        self._env.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def _epoch(txn: lmdb.Transaction[bytes], meta: lmdb._Database) -> int:
+    raw = txn.get(_EPOCH_KEY, db=meta)
+    if raw is None:  # cleared under us by a process of another version: refuse, safely
+        return 2**62
+    return int(raw)
+
+
+def private_directory(base: Path) -> Path:
+    """``base/cryptd-replay``, created mode 0700 if missing; refused unless it is a real
+    directory owned by this user that nobody else may enter."""
+    directory = base / SUBDIRECTORY
+    try:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+        info = directory.lstat()
+    except OSError as exc:
+        raise ReplayStoreError(f"replay store directory {directory}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise ReplayStoreError(f"replay store directory {directory} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise ReplayStoreError(f"replay store directory {directory} belongs to another user")
+    if info.st_mode & 0o077:
+        raise ReplayStoreError(
+            f"replay store directory {directory} is open to other users "
+            f"(mode {stat.S_IMODE(info.st_mode):04o}; it must be 0700)"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ReplayStoreError(f"replay store directory {directory} is not writable")
+    return directory
+
+
+def boot_id(proc: Path = Path("/proc")) -> str:
+    """An identifier of the running kernel's boot (the boot time when the id is hidden)."""
+    with contextlib.suppress(OSError):
+        value = (proc / "sys/kernel/random/boot_id").read_text().strip()
+        if value:
+            return value
+    with contextlib.suppress(OSError):
+        for line in (proc / "stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return "btime-" + line.split()[1]
+    return "boot"
+
+
+def _remove_other_boots(current: Path) -> None:
+    """Stores of earlier boots are stale: nobody can be using them now."""
+    for path in current.parent.iterdir():
+        if path.name.endswith((".lmdb", ".lmdb-lock")) and not path.name.startswith(current.name):
+            with contextlib.suppress(OSError):
+                path.unlink()
