@@ -27,6 +27,7 @@ from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.ratelimit import MemoryRateLimiter
 from service.auth.redis_client import close, connect
 from service.auth.replay import MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.auth.replay_host import HostReplayStore
 from service.auth.signature import COVERED_COMPONENTS, sign_request, verify_request
 from tests.test_auth_support import SHARED_REDIS_URL, redis_reachable, standard_clients
 
@@ -156,10 +157,14 @@ async def test_middleware_overhead_in_process(tmp_path: Path) -> None:
             for _ in range(3)
         ]
     )
+    host_store = HostReplayStore(tmp_path / "replay", epoch=0)
+    host = min([await _per_request_us(wrap(host_store, None), secret, n) for _ in range(3)])
+    host_store.close()
     lines = [
         f"\nASGI call, no auth:                         {bare:6.1f} us",
         f"auth middleware, memory replay store:       {memory - bare:6.1f} us added",
         f"  + memory rate limiter:                    {limited - bare:6.1f} us added",
+        f"auth middleware, host (LMDB) replay store:  {host - bare:6.1f} us added",
     ]
     if redis_reachable():
         client = connect(SHARED_REDIS_URL)

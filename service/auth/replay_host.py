@@ -92,9 +92,12 @@ class HostReplayStore:
                 map_size=max_bytes,
                 max_dbs=SLOTS + 1,
                 mode=0o600,
-                # Written through the shared mapping, never flushed: a process that dies keeps
-                # its committed writes (they are in the page cache); a reboot starts a new file.
-                writemap=True,
+                # Never flushed: a process that dies keeps its committed writes (they are in the
+                # page cache); a reboot starts a new file. Pages are written with pwrite(), not
+                # through a writable mapping: a full filesystem is then an error the store
+                # turns into a refusal, where a write to the mapping would kill the worker
+                # with SIGBUS (writemap: ~4.6 against ~11 us here, under load).
+                writemap=False,
                 sync=False,
                 metasync=False,
                 readahead=False,
