@@ -16,6 +16,7 @@ import lmdb
 import pytest
 
 from service.auth import replay_host
+from service.auth.ratelimit_host import HostRateLimiter
 from service.auth.replay import StoreRecovering, StoreUnavailable
 from service.auth.replay_host import (
     BUCKET_SECONDS,
@@ -24,6 +25,7 @@ from service.auth.replay_host import (
     HostReplayStore,
     ReplayStoreError,
 )
+from service.errors import RateLimited
 
 NOW = 1_800_000_000
 
@@ -256,3 +258,43 @@ def test_an_unwritable_place_is_refused_with_its_reason(tmp_path: Path) -> None:
 def test_lmdb_version_has_robust_locks() -> None:
     # The writer-takeover above relies on LMDB 0.9.17+ robust mutexes (bundled with lmdb).
     assert lmdb.version() >= (0, 9, 17)
+
+
+def _drain(directory: str, results: multiprocessing.Queue) -> None:
+    limiter = HostRateLimiter(Path(directory), rate=0.001, burst=50)
+    allowed = 0
+    for _ in range(40):
+        try:
+            limiter.acquire_now("app", time.monotonic())
+            allowed += 1
+        except RateLimited:
+            pass
+    results.put(allowed)
+
+
+def test_rate_limit_buckets_are_shared_by_the_processes_of_the_host(tmp_path: Path) -> None:
+    """Three processes drawing 40 tokens each from one bucket of 50: 50 in all, not 120."""
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = context.Queue()
+    processes = [context.Process(target=_drain, args=(str(tmp_path), results)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    allowed = [results.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=30)
+    assert sum(allowed) == 50
+    limiter = HostRateLimiter(tmp_path, rate=1000, burst=1)
+    limiter.acquire_now("other", 100.0)
+    with pytest.raises(RateLimited) as refused:
+        limiter.acquire_now("other", 100.0)
+    assert refused.value.retry_after == pytest.approx(0.001)
+    limiter.acquire_now("other", 100.002)  # refilled
+    # The replay store's file and this one live side by side, neither removing the other.
+    store = _store(tmp_path)
+    assert sorted(p.name.split(".", 1)[1] for p in store.path.parent.iterdir()) == [
+        "lmdb",
+        "lmdb-lock",
+        "ratelimit.lmdb",
+        "ratelimit.lmdb-lock",
+    ]
+    store.close()

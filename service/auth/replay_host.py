@@ -81,7 +81,8 @@ class HostReplayStore:
         it (the development setup creating its clients together with the store)."""
         if max_age + max_skew >= (SLOTS - 1) * BUCKET_SECONDS:
             raise ReplayStoreError(f"max_age + max_skew must stay under {SLOTS - 1} minutes")
-        self.path = private_directory(directory) / f"{boot_id()}.lmdb"
+        boot = boot_id()
+        self.path = private_directory(directory) / f"{boot}.lmdb"
         self.max_age = max_age
         self.max_skew = max_skew
         self._next_sweep = 0.0
@@ -111,7 +112,7 @@ class HostReplayStore:
                 self._initialise(txn, epoch)
         except lmdb.Error as exc:
             raise ReplayStoreError(f"replay store {self.path}: {exc}") from exc
-        _remove_other_boots(self.path)
+        _remove_other_boots(self.path.parent, boot)
 
     def _initialise(self, txn: lmdb.Transaction[bytes], epoch: int | None) -> None:
         fmt = txn.get(_FORMAT_KEY, db=self._meta)
@@ -237,9 +238,9 @@ def boot_id(proc: Path = Path("/proc")) -> str:
     return "boot"
 
 
-def _remove_other_boots(current: Path) -> None:
-    """Stores of earlier boots are stale: nobody can be using them now."""
-    for path in current.parent.iterdir():
-        if path.name.endswith((".lmdb", ".lmdb-lock")) and not path.name.startswith(current.name):
+def _remove_other_boots(directory: Path, boot: str) -> None:
+    """Files of earlier boots are stale: nobody can be using them now."""
+    for path in directory.iterdir():
+        if path.name.endswith((".lmdb", ".lmdb-lock")) and not path.name.startswith(f"{boot}."):
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from service.auth.clients import ClientsFile
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from service.auth.ratelimit_host import HostRateLimiter
 from service.auth.redis_client import close, connect
 from service.auth.replay import MemoryReplayStore, RedisReplayStore, ReplayStore
 from service.auth.replay_host import HostReplayStore
@@ -36,9 +37,9 @@ class AuthParts:
 
 
 def build_auth(settings: Settings, clients_file: Path | None = None) -> AuthParts:
-    """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set; else the
-    replay store in ``CRYPTD_REPLAY_DIR`` (shared by the host's workers) or, without one, in
-    memory (one process), and the rate limiter in memory. ``clients_file`` overrides
+    """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set; else both in
+    ``CRYPTD_REPLAY_DIR`` (shared by the host's workers) or, without one, in memory (one
+    process). ``clients_file`` overrides
     ``settings.clients_file`` (the development setup writes its own)."""
     path = clients_file or settings.clients_file
     if path is None:
@@ -67,4 +68,8 @@ def _limiter(settings: Settings, redis: Redis | None) -> RateLimiter | None:
     if settings.rate_limit_per_second <= 0:
         return None
     rate, burst = settings.rate_limit_per_second, settings.rate_limit_burst
-    return MemoryRateLimiter(rate, burst) if redis is None else RedisRateLimiter(redis, rate, burst)
+    if redis is not None:
+        return RedisRateLimiter(redis, rate, burst)
+    if settings.replay_dir is not None:  # every worker of the host shares the buckets
+        return HostRateLimiter(settings.replay_dir, rate, burst)
+    return MemoryRateLimiter(rate, burst)
