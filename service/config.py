@@ -160,7 +160,10 @@ class Settings(BaseSettings):
         # threads across all server workers = those CPUs: more only adds contention.
         cpus = available_cpus()
         if self.workers == 0:
-            self.workers = cpus
+            # Auto: one per CPU where the workers can share a replay store (cryptd serve always
+            # gives them one); an app built in a process of its own is one worker.
+            shared = self.redis_url is not None or self.replay_dir is not None
+            self.workers = cpus if shared else 1
         if self.pool_workers == 0:
             self.pool_workers = max(1, cpus // self.workers)
         return self

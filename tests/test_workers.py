@@ -172,6 +172,9 @@ def test_the_default_worker_count_sizes_the_pool_to_the_cpus() -> None:
     assert settings.workers == cpus
     assert settings.pool_workers == max(1, cpus // settings.workers)
     assert Settings(env="development", workers=1).pool_workers == cpus
+    # An app built in its own process, with no store to share: one worker, every CPU's thread.
+    alone = Settings(env="development")
+    assert (alone.workers, alone.pool_workers) == (1, cpus)
 
 
 def test_a_replay_dir_open_to_others_stops_serve_with_its_reason(tmp_path: Path) -> None:

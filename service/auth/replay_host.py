@@ -51,6 +51,9 @@ SLOTS: Final = 72  # (SLOTS - 1) * BUCKET_SECONDS must exceed max_age + max_skew
 FORMAT: Final = b"cryptd-replay 1 60 72"
 DEFAULT_MAX_BYTES: Final = 256 * 1024 * 1024  # ~6.5 million nonces (~39 bytes each)
 SWEEP_SECONDS: Final = 10.0  # how often a process looks for expired slots
+# Reserved on the filesystem when the store opens (~50,000 nonces): a light load keeps being
+# served when the filesystem fills up (a development directory shared with the keyring).
+PREALLOCATE_BYTES: Final = 2 * 1024 * 1024
 SUBDIRECTORY: Final = "cryptd-replay"
 
 _FORMAT_KEY: Final = b"format"
@@ -113,6 +116,7 @@ class HostReplayStore:
         except lmdb.Error as exc:
             raise ReplayStoreError(f"replay store {self.path}: {exc}") from exc
         _remove_other_boots(self.path.parent, boot)
+        _preallocate(self.path, min(max_bytes, PREALLOCATE_BYTES))
 
     def _initialise(self, txn: lmdb.Transaction[bytes], epoch: int | None) -> None:
         fmt = txn.get(_FORMAT_KEY, db=self._meta)
@@ -236,6 +240,16 @@ def boot_id(proc: Path = Path("/proc")) -> str:
             if line.startswith("btime "):
                 return "btime-" + line.split()[1]
     return "boot"
+
+
+def _preallocate(path: Path, size: int) -> None:
+    """Reserve the file's first ``size`` bytes (never shrinks it); skipped where impossible."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
 
 
 def _remove_other_boots(directory: Path, boot: str) -> None:
