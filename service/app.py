@@ -223,6 +223,7 @@ def create_app(
             replay=auth.replay,
             rate_limiter=auth.rate_limiter,
             max_age=settings.signature_max_age,
+            max_skew=settings.signature_max_skew,
             fail_open=settings.replay_fail_open,
             on_failure=metrics.auth_failure,
             on_rejection=metrics.rejected,

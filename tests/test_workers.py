@@ -199,3 +199,17 @@ def test_a_replay_dir_open_to_others_stops_serve_with_its_reason(tmp_path: Path)
     assert result.returncode == 2
     assert b"is open to other users (mode 0777; it must be 0700)" in result.stderr
     assert b"Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_configured_skew_reaches_the_signature_check(tmp_path: Path) -> None:
+    server = start_server(tmp_path, {"CRYPTD_SIGNATURE_MAX_SKEW": "60"})
+    try:
+        for ahead, status in ((50, 200), (70, 401)):
+            created = int(time.time()) + ahead
+            headers = sign_request(
+                "GET", "/v1/keys", "", b"", server.client_id, server.secret, created=created
+            )
+            assert httpx.get(server.url + "/v1/keys", headers=headers).status_code == status
+    finally:
+        stop_server(server)
