@@ -24,7 +24,7 @@ from service.api import docs, errors
 from service.api.deps import ReadinessCheck, Services
 from service.api.dispatch import CryptoDispatch
 from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
-from service.api.routes import crypto, health, keys, random
+from service.api.routes import crypto, health, keys, random, transfer
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
@@ -271,6 +271,7 @@ def create_app(
     app.state.services = services
     errors.install(app)
     app.include_router(health.router)
+    app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)
     app.include_router(random.router)

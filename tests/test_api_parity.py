@@ -380,32 +380,32 @@ def test_flags_the_type_cannot_have(server: Server, body: dict[str, Any], text: 
 # policies, metrics, audit ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def limited(server: Server) -> tuple[str, bytes]:
-    """A client that may only hmac keys named hmac-*: added to the running server's clients file
-    (it reloads the file when it changes)."""
+def add_client(
+    server: Server, client_id: str, allow: list[dict[str, Any]], probe: tuple[str, Any]
+) -> tuple[str, bytes]:
+    """Add a client to the running server's clients file (it reloads the file when it changes)
+    and wait until ``probe`` (path, body), a request the client may make, answers 200."""
     path = server.directory / "dev" / "clients.json"
     document = json.loads(path.read_text())
     secret = generate_secret()
-    document["clients"]["parity-limited"] = {
-        "secret": secret,
-        "allow": [{"keys": "hmac-*", "operations": ["hmac"]}],
-    }
+    document["clients"][client_id] = {"secret": secret, "allow": allow}
     write_document(path, document)
+    raw = base64.b64decode(secret)
     deadline = time.monotonic() + 15
     while True:
-        probe = server.request(
-            "POST",
-            "/v1/hmac/hmac-sha256",
-            {"message": ""},
-            client_id="parity-limited",
-            secret=base64.b64decode(secret),
-        )
-        if probe.status_code == 200 or time.monotonic() > deadline:
+        answer = server.request("POST", *probe, client_id=client_id, secret=raw)
+        if answer.status_code == 200 or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert probe.status_code == 200, probe.text
-    return "parity-limited", base64.b64decode(secret)
+    assert answer.status_code == 200, answer.text
+    return client_id, raw
+
+
+@pytest.fixture(scope="module")
+def limited(server: Server) -> tuple[str, bytes]:
+    """A client that may only hmac keys named hmac-*."""
+    allow = [{"keys": "hmac-*", "operations": ["hmac"]}]
+    return add_client(server, "parity-limited", allow, ("/v1/hmac/hmac-sha256", {"message": ""}))
 
 
 def test_policies_for_the_new_operations(server: Server, limited: tuple[str, bytes]) -> None:

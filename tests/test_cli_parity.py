@@ -161,3 +161,59 @@ def test_keys_create_refuses_flags_the_type_cannot_have(
     status, _, err = run(["keys", "create", "k", "--type", "sm4-gcm", "--convergent"], capsys)
     assert status == 1
     assert "needs 'derived'" in err
+
+
+def test_call_import_backup_restore(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    cred = ["--credential", str(server.directory / "dev" / "client.json")]
+    status, wrapping, _ = run(["call", "wrapping-key", *cred], capsys)
+    assert status == 0
+    assert wrapping["public_key"].startswith("-----BEGIN PUBLIC KEY-----")
+
+    key = os.urandom(32)
+    (tmp_path / "key.hex").write_text(key.hex() + "\n")
+    args = ["call", "import", "cli-imported", "--type", "hmac-sha256", "--deletion-allowed"]
+    status, created, err = run([*args, "--data-file", str(tmp_path / "key.hex"), *cred], capsys)
+    assert status == 0, err
+    assert (created["name"], created["deletion_allowed"]) == ("cli-imported", True)
+    status, mac, _ = run(["call", "hmac", "cli-imported", "--data", "m", *cred], capsys)
+    expected = hmac.new(key, b"m", hashlib.sha256).digest()
+    assert mac["mac"] == "cryptd:v1:" + base64.urlsafe_b64encode(expected).rstrip(b"=").decode()
+
+    private = ec.generate_private_key(ec.SECP521R1())
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (tmp_path / "p521.pem").write_bytes(pem)
+    args = ["call", "import", "cli-p521", "--type", "ecdsa-p521"]
+    assert run([*args, "--data-file", str(tmp_path / "p521.pem"), *cred], capsys)[0] == 0
+    status, signed, _ = run(["call", "sign", "cli-p521", "--data", "m", *cred], capsys)
+    private.public_key().verify(
+        base64.b64decode(signed["signature"]), b"m", ec.ECDSA(hashes.SHA512())
+    )
+    legacy = private.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+    (tmp_path / "legacy.pem").write_bytes(legacy)
+    args = ["call", "import", "cli-legacy", "--type", "ecdsa-p521"]
+    status, _, err = run([*args, "--data-file", str(tmp_path / "legacy.pem"), *cred], capsys)
+    assert status == 2
+    assert "PKCS#8" in err
+
+    status, saved, _ = run(["call", "backup", "cli-imported", *cred], capsys)
+    assert status == 0
+    blob = saved["backup"]
+    status, _, err = run(["call", "restore", "cli-imported", "--data", blob, *cred], capsys)
+    assert status == 1
+    assert json.loads(err)["error"]["code"] == "conflict"
+    assert server.request("DELETE", "/v1/keys/cli-imported").status_code == 204
+    status, restored, err = run(["call", "restore", "cli-imported", "--data", blob, *cred], capsys)
+    assert status == 0, err
+    assert restored["name"] == "cli-imported"
+    assert run(["call", "hmac", "cli-imported", "--data", "m", *cred], capsys)[1] == mac

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import hashes, keywrap
+from cryptography.hazmat.primitives import hashes, keywrap, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from service.crypto import derived, wrapping
@@ -168,14 +168,26 @@ def wrapping_key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=wrapping.WRAPPING_KEY_BITS)
 
 
+def unwrap(private: rsa.RSAPrivateKey, blob: bytes) -> bytes:
+    """Through the wrapping key type's own handle, as the service unwraps."""
+    handle = KEY_TYPES[wrapping.WRAPPING_KEY_TYPE].load(pkcs8(private))
+    return wrapping.unwrap(lambda block: handle.decrypt_external(block, "rsa-oaep-sha256"), blob)
+
+
+def pkcs8(private: rsa.RSAPrivateKey) -> bytes:
+    return private.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
 def test_import_wrapping_round_trip_and_layout(wrapping_key: rsa.RSAPrivateKey) -> None:
     material = os.urandom(32)
     blob = wrapping.wrap(wrapping_key.public_key(), material)
     # 512-byte RSA-OAEP block, then RFC 5649 of 32 bytes (32 + 8).
     assert len(blob) == 512 + 40
-    assert wrapping.unwrap(wrapping_key, blob) == material
+    assert unwrap(wrapping_key, blob) == material
     for size in (1, 7, 8, 31, 33, 1200):
-        assert wrapping.unwrap(wrapping_key, wrapping.wrap(wrapping_key.public_key(), b"m" * size))
+        assert unwrap(wrapping_key, wrapping.wrap(wrapping_key.public_key(), b"m" * size))
 
 
 def test_import_unwrap_refuses_every_damage(wrapping_key: rsa.RSAPrivateKey) -> None:
@@ -194,10 +206,8 @@ def test_import_unwrap_refuses_every_damage(wrapping_key: rsa.RSAPrivateKey) -> 
     }
     for bad, message in damaged.values():
         with pytest.raises(wrapping.WrappedKeyError, match=message):
-            wrapping.unwrap(wrapping_key, bad)
+            unwrap(wrapping_key, bad)
     # An ephemeral key of the wrong size.
     short = wrapping_key.public_key().encrypt(b"k" * 16, OAEP)
     with pytest.raises(wrapping.WrappedKeyError, match="256-bit"):
-        wrapping.unwrap(
-            wrapping_key, short + keywrap.aes_key_wrap_with_padding(b"k" * 16, b"x" * 16)
-        )
+        unwrap(wrapping_key, short + keywrap.aes_key_wrap_with_padding(b"k" * 16, b"x" * 16))

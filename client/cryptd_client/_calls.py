@@ -241,6 +241,60 @@ def _create_key(
     return _key_call("POST", key, body)
 
 
+def _wrapping_key() -> _Call[str]:
+    return _Call("GET", "/v1/keys/wrapping-key", None, lambda data: str(data["public_key"]))
+
+
+def _wrapped(public_pem: str, material: Binary) -> str:
+    """``material`` wrapped for import, here, so it never travels in the clear: RSA-OAEP
+    (SHA-256) of a fresh AES-256 key under the server's wrapping key, then AES key wrap with
+    padding (RFC 5649) of the material - OpenBao's and AWS KMS's BYOK wrapping. Needs the
+    ``cryptography`` package (the ``import`` extra), which the rest of this client does not."""
+    try:
+        import os
+
+        from cryptography.hazmat.primitives import hashes, keywrap, serialization
+        from cryptography.hazmat.primitives.asymmetric import padding, rsa
+    except ImportError as exc:  # pragma: no cover - the server's tests always have it
+        raise ImportError(
+            "importing key material needs 'cryptography': pip install 'cryptd-client[import]'"
+        ) from exc
+    if not isinstance(material, Binary):
+        raise TypeError(f"material must be bytes, not {type(material).__name__}")
+    public = serialization.load_pem_public_key(public_pem.encode("ascii"))
+    if not isinstance(public, rsa.RSAPublicKey):
+        raise ValueError("the wrapping key is not an RSA public key")
+    ephemeral = os.urandom(32)
+    oaep = padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
+    wrapped = public.encrypt(ephemeral, oaep) + keywrap.aes_key_wrap_with_padding(
+        ephemeral, bytes(material)
+    )
+    return _b64(wrapped)
+
+
+def _import_key(
+    key: str, public_pem: str, type: str, material: Binary, flags: Mapping[str, bool]
+) -> _Call[KeyMetadata]:
+    body = _body(type=type, ciphertext=_wrapped(public_pem, material), **flags)
+    return _Call("POST", _key_path("keys", key) + "/import", body, KeyMetadata.from_json)
+
+
+def _import_version(key: str, public_pem: str, material: Binary) -> _Call[KeyMetadata]:
+    body = _body(ciphertext=_wrapped(public_pem, material))
+    return _Call("POST", _key_path("keys", key) + "/import-version", body, KeyMetadata.from_json)
+
+
+def _backup_key(key: str) -> _Call[str]:
+    return _Call("GET", _key_path("keys", key) + "/backup", None, lambda d: str(d["backup"]))
+
+
+def _restore_key(key: str, backup: str) -> _Call[KeyMetadata]:
+    if not isinstance(backup, str):
+        raise TypeError(f"backup is the text backup_key gave (str), not {type(backup).__name__}")
+    body = {"backup": backup}
+    return _Call("POST", _key_path("keys", key) + "/restore", body, KeyMetadata.from_json)
+
+
 def _list_keys() -> _Call[list[KeyMetadata]]:
     return _Call(
         "GET", "/v1/keys", None, lambda data: [KeyMetadata.from_json(k) for k in data["keys"]]

@@ -21,6 +21,7 @@ from typing import Any, Final, Self, TypeVar
 import httpx
 
 from cryptd_client._calls import (
+    _backup_key,
     _batch,
     _Call,
     _chunks,
@@ -37,10 +38,13 @@ from cryptd_client._calls import (
     _encrypt_result,
     _healthz,
     _hmac,
+    _import_key,
+    _import_version,
     _key_call,
     _list_keys,
     _mac_result,
     _random,
+    _restore_key,
     _rewrap,
     _rotate_key,
     _sign,
@@ -51,6 +55,7 @@ from cryptd_client._calls import (
     _verify_items,
     _verify_mac,
     _verify_result,
+    _wrapping_key,
 )
 from cryptd_client.errors import CryptdAPIError, CryptdConnectionError, api_error
 from cryptd_client.results import (
@@ -439,6 +444,40 @@ class CryptdClient(_Base):
     def delete_key(self, key: str) -> None:
         self._run(_delete_key(key))
 
+    def wrapping_key(self) -> str:
+        """The PEM of the RSA-4096 key that wraps imported key material (admin)."""
+        return self._run(_wrapping_key())
+
+    def import_key(
+        self,
+        key: str,
+        type: str,
+        material: bytes,
+        *,
+        deletion_allowed: bool = False,
+        derived: bool = False,
+        convergent: bool = False,
+    ) -> KeyMetadata:
+        """Create ``key`` from ``material`` (raw bytes for secret keys, PKCS#8 DER for private
+        keys), wrapped here under the server's wrapping key (admin; needs ``cryptography``)."""
+        public_pem = self._run(_wrapping_key())
+        flags = {"deletion_allowed": deletion_allowed, "derived": derived, "convergent": convergent}
+        return self._run(_import_key(key, public_pem, type, material, flags))
+
+    def import_key_version(self, key: str, material: bytes) -> KeyMetadata:
+        """Add a version to ``key`` from ``material``, wrapped here (admin)."""
+        public_pem = self._run(_wrapping_key())
+        return self._run(_import_version(key, public_pem, material))
+
+    def backup_key(self, key: str) -> str:
+        """One opaque blob (base64 text): every version and the metadata, under the master key
+        (admin)."""
+        return self._run(_backup_key(key))
+
+    def restore_key(self, key: str, backup: str) -> KeyMetadata:
+        """Restore what :meth:`backup_key` gave into a cryptd holding the same master key."""
+        return self._run(_restore_key(key, backup))
+
     def healthz(self) -> dict[str, Any]:
         return self._run(_healthz())
 
@@ -717,6 +756,40 @@ class AsyncCryptdClient(_Base):
 
     async def delete_key(self, key: str) -> None:
         await self._run(_delete_key(key))
+
+    async def wrapping_key(self) -> str:
+        """The PEM of the RSA-4096 key that wraps imported key material (admin)."""
+        return await self._run(_wrapping_key())
+
+    async def import_key(
+        self,
+        key: str,
+        type: str,
+        material: bytes,
+        *,
+        deletion_allowed: bool = False,
+        derived: bool = False,
+        convergent: bool = False,
+    ) -> KeyMetadata:
+        """Create ``key`` from ``material`` (raw bytes for secret keys, PKCS#8 DER for private
+        keys), wrapped here under the server's wrapping key (admin; needs ``cryptography``)."""
+        public_pem = await self._run(_wrapping_key())
+        flags = {"deletion_allowed": deletion_allowed, "derived": derived, "convergent": convergent}
+        return await self._run(_import_key(key, public_pem, type, material, flags))
+
+    async def import_key_version(self, key: str, material: bytes) -> KeyMetadata:
+        """Add a version to ``key`` from ``material``, wrapped here (admin)."""
+        public_pem = await self._run(_wrapping_key())
+        return await self._run(_import_version(key, public_pem, material))
+
+    async def backup_key(self, key: str) -> str:
+        """One opaque blob (base64 text): every version and the metadata, under the master key
+        (admin)."""
+        return await self._run(_backup_key(key))
+
+    async def restore_key(self, key: str, backup: str) -> KeyMetadata:
+        """Restore what :meth:`backup_key` gave into a cryptd holding the same master key."""
+        return await self._run(_restore_key(key, backup))
 
     async def healthz(self) -> dict[str, Any]:
         return await self._run(_healthz())

@@ -61,6 +61,18 @@ class RandomResponse(_Answer):
     random: Base64
 
 
+class WrappingKeyResponse(_Answer):
+    public_key: str = Field(description="SubjectPublicKeyInfo PEM of the import wrapping key.")
+    type: Literal["rsa-4096"]
+
+
+class BackupResponse(_Answer):
+    backup: Base64 = Field(
+        description="One key, every version and its metadata, encrypted and authenticated "
+        "under the master key (docs/FORMAT.md, section 10)."
+    )
+
+
 class ErrorDetail(_Answer):
     code: str = Field(description="Stable error code (the contract's table).")
     message: str = Field(description="Safe to show: never key material, plaintext or secrets.")
@@ -124,6 +136,7 @@ class Readiness(_Answer):
 
 
 __all__ = [
+    "BackupResponse",
     "DatakeyResponse",
     "DecryptResponse",
     "EncryptResponse",
@@ -140,4 +153,5 @@ __all__ = [
     "Readiness",
     "SignResponse",
     "VerifyResponse",
+    "WrappingKeyResponse",
 ]

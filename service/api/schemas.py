@@ -200,6 +200,33 @@ class CreateKeyRequest(_Body):
     )
 
 
+class ImportKeyRequest(_Body):
+    """A new key from material wrapped for import (docs/FORMAT.md, section 9)."""
+
+    type: KeyTypeName
+    ciphertext: Base64  # RSA-OAEP(ephemeral AES-256 key) || AES-KWP(material)
+    # The OAEP hash: only SHA-256 (Vault's field, and its default).
+    hash_function: Annotated[str, Field(json_schema_extra={"enum": ["SHA256"]})] | None = None
+    deletion_allowed: bool = False
+    derived: bool = False
+    convergent: bool = False
+    auto_rotate_period: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_AUTO_ROTATE_PERIOD,
+        description="Seconds between automatic rotations; 0: none (as for create).",
+    )
+
+
+class ImportVersionRequest(_Body):
+    ciphertext: Base64
+    hash_function: Annotated[str, Field(json_schema_extra={"enum": ["SHA256"]})] | None = None
+
+
+class RestoreKeyRequest(_Body):
+    backup: Base64  # the blob GET /v1/keys/{key}/backup gave
+
+
 def _some_change(schema: dict[str, Any]) -> None:
     # A PATCH must change something: at least one known field with a value (400 otherwise).
     schema["not"] = {"properties": {name: {"type": "null"} for name in schema["properties"]}}

@@ -156,6 +156,21 @@ ROUTES: tuple[Route, ...] = (
           MANAGE, tag="keys"),
     Route("POST", "/v1/keys/{key}/rotate", "rotate_key", "Add a version (admin)", None,
           {200: r.KeyMetadata}, MANAGE, tag="keys"),
+    Route("GET", "/v1/keys/wrapping-key", "get_wrapping_key",
+          "The RSA-4096 public key that wraps imported key material (admin)", None,
+          {200: r.WrappingKeyResponse}, MANAGE, tag="keys"),
+    Route("POST", "/v1/keys/{key}/import", "import_key",
+          "Create a key from wrapped material (admin)", s.ImportKeyRequest,
+          {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+    Route("POST", "/v1/keys/{key}/import-version", "import_key_version",
+          "Add a version from wrapped material (admin)", s.ImportVersionRequest,
+          {200: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+    Route("GET", "/v1/keys/{key}/backup", "backup_key",
+          "The key, every version and its metadata, in one blob (admin)", None,
+          {200: r.BackupResponse}, MANAGE, tag="keys"),
+    Route("POST", "/v1/keys/{key}/restore", "restore_key",
+          "Restore a backup into a cryptd holding the same master key (admin)",
+          s.RestoreKeyRequest, {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
     # health (unsigned)
     Route("GET", "/healthz", "healthz", "Liveness", None, {200: r.Health}, ANY, signed=False,
           tag="health"),
@@ -175,8 +190,12 @@ _TEMPLATES = [(_template(route.path), route.method) for route in ROUTES]
 
 
 def allowed_methods(path: str) -> list[str]:
-    """The methods declared for a concrete path (with HEAD where GET is), sorted."""
-    methods = {method for template, method in _TEMPLATES if template.match(path)}
+    """The methods declared for a concrete path (with HEAD where GET is), sorted. A path
+    declared literally (``/v1/keys/wrapping-key``) is its own resource: a template it also
+    matches (``/v1/keys/{key}``) does not add methods to it."""
+    methods = {route.method for route in ROUTES if route.path == path} or {
+        method for template, method in _TEMPLATES if template.match(path)
+    }
     if "GET" in methods:
         methods.add("HEAD")
     return sorted(methods)

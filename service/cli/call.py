@@ -7,18 +7,44 @@ import base64
 import binascii
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from cryptd_client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
+from service.cli.keys import read_material
+from service.crypto.registry import KEY_TYPES
 
 OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random")
-KEY_COMMANDS = ("keys", "key", "create", "rotate")
+KEY_COMMANDS = (
+    "keys",
+    "key",
+    "create",
+    "rotate",
+    "wrapping-key",
+    "import",
+    "import-version",
+    "backup",
+    "restore",
+)
 # Operations that read their input (plaintext, ciphertext, message) from --data/--data-file/stdin.
-_WITH_INPUT = frozenset({"encrypt", "decrypt", "sign", "verify", "rewrap", "hmac"})
+_WITH_INPUT = frozenset(
+    {
+        "encrypt",
+        "decrypt",
+        "sign",
+        "verify",
+        "rewrap",
+        "hmac",
+        "import",
+        "import-version",
+        "restore",
+    }
+)
 # Operations that name no key.
-_KEYLESS = frozenset({"keys", "random"})
+_KEYLESS = frozenset({"keys", "random", "wrapping-key"})
+_PEM = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
 
 
 def default_credential() -> Path:
@@ -29,9 +55,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "call",
         help="call a running cryptd (signed request) and print the JSON result",
-        description="Input (plaintext, ciphertext token, message) comes from --data, "
-        "--data-file or stdin. Binary output is base64. 'verify' exits 1 when the signature "
-        "is not valid; API errors are printed to stderr as JSON with exit status 1.",
+        description="Input (plaintext, ciphertext token, message, key material to import, "
+        "backup to restore) comes from --data, --data-file or stdin. Binary output is base64. "
+        "'import' wraps the material here under the server's wrapping key: secret keys as hex "
+        "digits or raw bytes, private keys as PKCS#8 (PEM or DER). 'verify' exits 1 when the "
+        "signature is not valid; API errors are printed to stderr as JSON with exit status 1.",
     )
     parser.add_argument("op", choices=OPERATIONS + KEY_COMMANDS, help="operation")
     parser.add_argument("key", nargs="?", help="key name (all operations but 'keys', 'random')")
@@ -94,6 +122,24 @@ def _read_input(args: argparse.Namespace) -> bytes:
         except binascii.Error:
             raise ValueError("input is not valid base64") from None
     return data
+
+
+def wire_material(data: bytes, type_name: str) -> bytes:
+    """Key material as the import route takes it: raw bytes for secret keys (read from hex or
+    raw), PKCS#8 DER for private keys (read from a PEM 'PRIVATE KEY' block or DER)."""
+    if type_name not in KEY_TYPES:
+        raise ValueError(f"unknown key type {type_name!r}")
+    if not KEY_TYPES[type_name].asymmetric:
+        return read_material(data, type_name)
+    match = _PEM.search(data)
+    if match is None:
+        return data
+    if match.group(1) != b"PRIVATE KEY":
+        raise ValueError("convert the key to PKCS#8 first (openssl pkcs8 -topk8 -nocrypt)")
+    try:
+        return base64.b64decode(b"".join(match.group(2).split()), validate=True)
+    except binascii.Error:
+        raise ValueError("the PEM block is not valid base64") from None
 
 
 def _b64(data: bytes) -> str:
@@ -193,6 +239,27 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
         return _metadata(created), 0
     if op == "rotate":
         return _metadata(client.rotate_key(key)), 0
+    if op == "wrapping-key":
+        return {"public_key": client.wrapping_key()}, 0
+    if op == "import":
+        if not args.type:
+            raise ValueError("import needs --type")
+        imported = client.import_key(
+            key,
+            args.type,
+            wire_material(data, args.type),
+            deletion_allowed=args.deletion_allowed,
+            derived=args.derived,
+            convergent=args.convergent,
+        )
+        return _metadata(imported), 0
+    if op == "import-version":
+        type_name = client.get_key(key).type
+        return _metadata(client.import_key_version(key, wire_material(data, type_name))), 0
+    if op == "backup":
+        return {"backup": client.backup_key(key)}, 0
+    if op == "restore":
+        return _metadata(client.restore_key(key, data.decode("ascii").strip())), 0
     raise ValueError(f"unknown operation {op!r}")
 
 

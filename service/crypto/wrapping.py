@@ -12,15 +12,17 @@ imports: raw bytes for secret keys, PKCS#8 DER for private keys.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Final
 
 from cryptography.hazmat.primitives import keywrap
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from service.crypto.base import CryptoError
+from service.crypto.base import CryptoError, InvalidCiphertext
 from service.crypto.rsa import OAEP
 
 EPHEMERAL_KEY_SIZE: Final = 32
+WRAPPING_KEY_TYPE: Final = "rsa-4096"
 WRAPPING_KEY_BITS: Final = 4096
 _KWP_MIN: Final = 16
 
@@ -36,10 +38,13 @@ def wrap(public: rsa.RSAPublicKey, material: bytes) -> bytes:
     return public.encrypt(ephemeral, OAEP) + keywrap.aes_key_wrap_with_padding(ephemeral, material)
 
 
-def unwrap(private: rsa.RSAPrivateKey, wrapped: bytes) -> bytes:
+def unwrap(
+    oaep_decrypt: Callable[[bytes], bytes], wrapped: bytes, *, bits: int = WRAPPING_KEY_BITS
+) -> bytes:
     """The material inside ``wrapped``; WrappedKeyError if it is damaged, truncated, re-ordered
-    or made for another wrapping key."""
-    size = private.key_size // 8
+    or made for another wrapping key. ``oaep_decrypt`` is the wrapping key's RSA-OAEP-SHA256
+    decryption (a key handle's ``decrypt_external``), raising InvalidCiphertext on failure."""
+    size = bits // 8
     if len(wrapped) < size + _KWP_MIN:
         raise WrappedKeyError(
             f"wrapped key too short: an RSA-OAEP block of {size} bytes, then at least "
@@ -51,8 +56,8 @@ def unwrap(private: rsa.RSAPrivateKey, wrapped: bytes) -> bytes:
             "must be a multiple of 8 bytes"
         )
     try:
-        ephemeral = private.decrypt(wrapped[:size], OAEP)
-    except ValueError:
+        ephemeral = oaep_decrypt(wrapped[:size])
+    except InvalidCiphertext:
         raise WrappedKeyError(
             "the ephemeral key does not decrypt under this wrapping key "
             "(RSA-OAEP with SHA-256; another wrapping key, or a damaged first block)"

@@ -50,6 +50,21 @@ def check_key_name(name: str) -> str:
     return name
 
 
+# Names a new key may not take: GET /v1/keys/wrapping-key is the import wrapping key, so a user
+# key of that name could never be described. (One made before the route existed keeps working.)
+RESERVED_NAMES = frozenset({"wrapping-key"})
+
+
+def check_new_key_name(name: str) -> str:
+    """A name a key may be created, imported or restored under (400 otherwise)."""
+    check_key_name(name)
+    if name in RESERVED_NAMES:
+        raise InvalidRequest(
+            f"the key name {name!r} is reserved (GET /v1/keys/{name} is the import wrapping key)"
+        )
+    return name
+
+
 def load_handle(
     key_type: KeyType,
     material: bytes,

@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 
 from service.crypto.registry import KEY_TYPES
 from service.errors import Conflict, InvalidRequest, KeyNotFound, KeystoreUnavailable
+from service.keys import backup
 from service.keys.document import (
     KeyRecord,
     KeyringDocument,
@@ -415,6 +416,21 @@ class KeyManager:
         )
         metadata = {k: v for k, v in record.to_json().items() if k != "versions"}
         return KeyExport(name, metadata, versions)
+
+    def backup(self, name: str) -> bytes:
+        """One key, every version and its metadata, sealed under the master key
+        (service.keys.backup; docs/FORMAT.md section 10)."""
+        export = self.export_key(check_key_name(name))
+        return backup.seal(self._master, export.name, export.metadata, export.versions)
+
+    def restore(self, name: str, blob: bytes) -> Key:
+        """Restore a backup of ``name`` made by any cryptd holding this master key (400 for a
+        blob that is not one, or of another key; 409 if the name is taken)."""
+        check_key_name(name)
+        stored, metadata, versions = backup.open_(self._master, blob)
+        if stored != name:
+            raise InvalidRequest(f"the backup holds key {stored!r}, not {name!r}")
+        return self.import_key(KeyExport(stored, metadata, versions))
 
     def import_key(self, export: KeyExport, name: str | None = None) -> Key:
         """Insert a whole key (metadata and every version) in one transaction, under

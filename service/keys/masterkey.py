@@ -18,7 +18,7 @@ class WrongMasterKey(Exception):
 
 
 class MasterKey:
-    __slots__ = ("_aead", "_mac_key", "key_id")
+    __slots__ = ("_aead", "_backup", "_mac_key", "key_id")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != 32:
@@ -27,6 +27,7 @@ class MasterKey:
         # A public fingerprint so a wrong master key is reported clearly, not as 100 bad blobs.
         self.key_id = hmac.new(key, b"cryptd master key id", hashlib.sha256).hexdigest()[:16]
         self._mac_key = hmac.new(key, b"cryptd keyring mac", hashlib.sha256).digest()
+        self._backup = AesGcm(hmac.new(key, b"cryptd key backup", hashlib.sha256).digest())
 
     def mac(self, data: bytes) -> bytes:
         """Authenticates the keyring's metadata (versions, min_decryption_version, ...)."""
@@ -34,6 +35,16 @@ class MasterKey:
 
     def verify_mac(self, data: bytes, tag: bytes) -> bool:
         return hmac.compare_digest(self.mac(data), tag)
+
+    def seal_backup(self, payload: bytes, header: bytes) -> bytes:
+        """Encrypt a key backup (service.keys.backup) under a key of its own, derived from the
+        master key; ``header`` is authenticated with it."""
+        return self._backup.seal(payload, header)
+
+    def open_backup(self, body: bytes, header: bytes) -> bytes:
+        """Inverse of seal_backup; InvalidCiphertext if the body or the header was altered or
+        sealed under another master key."""
+        return self._backup.open(body, header)
 
     @staticmethod
     def _context(name: str, version: int, type_name: str) -> bytes:

@@ -6,15 +6,23 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.api import deps
 from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, parse_model, parse_update
 from service.errors import CryptdError
-from service.keys.keyring import Key, check_key_name
+from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+def _not_reserved(key: str) -> None:
+    """/v1/keys/wrapping-key is the import wrapping key (GET only): other methods there are 405
+    (the Allow header says GET), not a user key's creation, update or deletion."""
+    if key in RESERVED_NAMES:
+        raise StarletteHTTPException(405)
 
 
 def _audit(request: Request, event: str, key: str, outcome: str, version: int | None) -> None:
@@ -28,7 +36,7 @@ def _audit(request: Request, event: str, key: str, outcome: str, version: int | 
     )
 
 
-async def _manage(
+async def manage(
     request: Request, event: str, key: str, change: Callable[[], Key | None]
 ) -> Key | None:
     """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
@@ -72,22 +80,23 @@ async def describe_key(request: Request, key: str) -> Response:
 
 @router.post("/{key}", status_code=201)
 async def create_key(request: Request, key: str) -> Response:
+    _not_reserved(key)
     check_key_name(key)  # before the body: a bad name is 400 on every route
     body = parse_model(CreateKeyRequest, await request.body())
     manager = deps.services(request).keys
-    created = await _manage(
-        request,
-        "create",
-        key,
-        lambda: manager.create(
+
+    def change() -> Key:
+        check_new_key_name(key)
+        return manager.create(
             key,
             body.type,
             deletion_allowed=body.deletion_allowed,
             derived=body.derived,
             convergent=body.convergent,
             auto_rotate_period=body.auto_rotate_period,
-        ),
-    )
+        )
+
+    created = await manage(request, "create", key, change)
     assert created is not None
     return json_response(created.metadata(), status=201)
 
@@ -95,17 +104,18 @@ async def create_key(request: Request, key: str) -> Response:
 @router.post("/{key}/rotate")
 async def rotate_key(request: Request, key: str) -> Response:
     manager = deps.services(request).keys
-    rotated = await _manage(request, "rotate", key, lambda: manager.rotate(key))
+    rotated = await manage(request, "rotate", key, lambda: manager.rotate(key))
     assert rotated is not None
     return json_response(rotated.metadata())
 
 
 @router.patch("/{key}")
 async def update_key(request: Request, key: str) -> Response:
+    _not_reserved(key)
     check_key_name(key)
     body = parse_update(await request.body())
     manager = deps.services(request).keys
-    updated = await _manage(
+    updated = await manage(
         request,
         "update",
         key,
@@ -122,6 +132,7 @@ async def update_key(request: Request, key: str) -> Response:
 
 @router.delete("/{key}", status_code=204)
 async def delete_key(request: Request, key: str) -> Response:
+    _not_reserved(key)
     manager = deps.services(request).keys
-    await _manage(request, "delete", key, lambda: manager.delete(key))
+    await manage(request, "delete", key, lambda: manager.delete(key))
     return Response(status_code=204)
