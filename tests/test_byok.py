@@ -321,3 +321,32 @@ def test_import_is_admin_only_and_audited(
         time.sleep(0.2)
     assert ("key.import", "byok-denied", "forbidden") in events
     assert body["ciphertext"] not in server.log()
+
+
+async def test_light_client_imports_backs_up_and_restores(server: Server) -> None:
+    """The async client's import_key wraps locally (nothing but the wrapped bytes travels);
+    import_key_version, backup_key and restore_key round-trip through the same server."""
+    from cryptd_client import AsyncCryptdClient, ConflictError
+
+    first, second = os.urandom(32), os.urandom(64)
+    secret = base64.b64encode(server.secret).decode()
+    async with AsyncCryptdClient(server.url, server.client_id, secret) as client:
+        pem = await client.wrapping_key()
+        assert pem == ok(server.request("GET", "/v1/keys/wrapping-key"))["public_key"]
+        created = await client.import_key("byok-async", "hmac-sha256", first, deletion_allowed=True)
+        assert (created.name, created.latest_version) == ("byok-async", 1)
+        rotated = await client.import_key_version("byok-async", second)
+        assert rotated.latest_version == 2
+        for version, key in ((1, first), (2, second)):
+            mac = await client.hmac("byok-async", b"m", key_version=version)
+            assert mac_tag(mac.mac) == hmac.new(key, b"m", hashlib.sha256).digest()
+        blob = await client.backup_key("byok-async")
+        with pytest.raises(ConflictError):
+            await client.restore_key("byok-async", blob)
+        await client.delete_key("byok-async")
+        restored = await client.restore_key("byok-async", blob)
+        assert restored.latest_version == 2
+        mac = await client.hmac("byok-async", b"m")
+        assert mac_tag(mac.mac) == hmac.new(second, b"m", hashlib.sha256).digest()
+        with pytest.raises(TypeError):
+            await client.import_key("byok-typed", "hmac-sha256", "not bytes")  # type: ignore[arg-type]
