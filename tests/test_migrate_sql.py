@@ -5,6 +5,7 @@ and left as it was, and the refusals say why."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from service.client import CryptdClient
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server
 from tests.migrate_support import (
     Table,
     client,
@@ -265,3 +266,38 @@ def test_a_checkpoint_of_another_migration_is_refused(
     )
     assert status == 2
     assert "belongs to another migration" in stderr
+
+
+def test_requests_fit_the_service_limits(tmp_path: Path) -> None:
+    """A service with small limits: pages are cut to fit its body and batch limits (413
+    halves the request), and the one row too large for any request fails alone."""
+    limited = start_server(
+        tmp_path / "server",
+        {"CRYPTD_MAX_BATCH_ITEMS": "40", "CRYPTD_MAX_BODY_BYTES": "30000"},
+    )
+    try:
+        with client(limited) as cryptd:
+            source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+            sizes = [10, 2000, 50, 8000, 20, 300] * 40
+            plaintexts = [os.urandom(n) for n in sizes]
+            tokens = [encrypt(cryptd, source, [p], [None])[0] for p in plaintexts]
+            # A token with a good header, too long for any request (the body never gets read).
+            tokens.append(tokens[0][:14] + "A" * 34000)
+            plaintexts.append(b"")
+            table = Table(f"sqlite:///{tmp_path / 'limits.db'}")
+            rows = zip(tokens, plaintexts, strict=True)
+            table.create([(i + 1, t, p, None) for i, (t, p) in enumerate(rows)])
+            status, report, stderr = run_migrate(
+                limited, *sql_args(table, source, target, "--batch-size", "500")
+            )
+            assert status == 1, stderr
+            assert report is not None
+            assert report["total"]["migrated"] == 240
+            assert report["total"]["failed"] == {"payload_too_large": 1}
+            after = table.rows()
+            assert all(
+                all(decrypts_to(cryptd, target, after[i : i + 10])) for i in range(0, 240, 10)
+            )
+            assert after[240][1] == tokens[240]
+    finally:
+        stop_server(limited)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from service.client import (
     DecryptResult,
     EncryptResult,
     KeyMetadata,
+    api_error,
 )
 
 from . import tokens
@@ -48,6 +49,10 @@ _KEY_CODES = frozenset({"key_disabled", "key_not_found"})
 _STOP_CODES = frozenset({"forbidden", "unauthenticated"})
 _USABLE_SOURCE = frozenset({"enabled", "decrypt_only"})
 _KEY_CHECK_INTERVAL = 5.0
+_MAX_REQUEST_BYTES = 768 * 1024  # under the service's default 1 MiB body limit
+_ITEM_OVERHEAD = 64  # field names, quotes and commas of one item
+# A batch call of the client: (key, items) -> one result or item error per item.
+_Send = Callable[[str, list[dict[str, Any]]], list[Any]]
 _NULL = Outcome.skipped(SKIP_NULL)
 _ALREADY = Outcome.skipped(SKIP_ALREADY)
 
@@ -136,6 +141,7 @@ class Rewrapper:
         self._same_type = source.type_id is None or source.type_id == target.type_id
         self._check_lock = threading.Lock()
         self._keys_checked = 0.0
+        self._max_items = 1000  # the service's default batch limit; lowered by a 413
 
     # -- one page ---------------------------------------------------------------------------
 
@@ -206,13 +212,54 @@ class Rewrapper:
     def _rewrap(
         self, key: str, items: list[dict[str, Any]]
     ) -> list[EncryptResult | CryptdAPIError]:
+        return self._send(self._client.rewrap_batch, key, items)
+
+    # -- requests the service accepts ---------------------------------------------------
+    # The service refuses a body over CRYPTD_MAX_BODY_BYTES (1 MiB by default) and a batch over
+    # CRYPTD_MAX_BATCH_ITEMS (1,000): a page is cut into requests under both, and a 413 halves
+    # the request (and every later one), so large tokens or a smaller limit never stop a run.
+
+    def _send(
+        self,
+        send: _Send,
+        key: str,
+        items: list[dict[str, Any]],
+    ) -> list[Any]:
+        results: list[Any] = []
+        chunk: list[dict[str, Any]] = []
+        size = 0
+        for item in items:
+            item_size = _request_size(item)
+            if chunk and (size + item_size > _MAX_REQUEST_BYTES or len(chunk) >= self._max_items):
+                results += self._send_chunk(send, key, chunk)
+                chunk, size = [], 0
+            chunk.append(item)
+            size += item_size
+        if chunk:
+            results += self._send_chunk(send, key, chunk)
+        return results
+
+    def _send_chunk(
+        self,
+        send: _Send,
+        key: str,
+        chunk: list[dict[str, Any]],
+    ) -> list[Any]:
         try:
-            return self._client.rewrap_batch(key, items)
+            return list(send(key, chunk))
         except CryptdConnectionError as exc:
             raise RunStopped(f"cannot reach the service: {exc}") from None
         except CryptdAPIError as exc:
-            hint = " (lower --batch-size)" if exc.code == "payload_too_large" else ""
-            raise RunStopped(f"the service refused a rewrap under {key!r}: {exc}{hint}") from None
+            if exc.code != "payload_too_large":
+                raise RunStopped(f"the service refused a request under {key!r}: {exc}") from None
+            if len(chunk) == 1:
+                message = "the row is larger than the service accepts in one request"
+                return [api_error(413, "payload_too_large", message)]
+            half = len(chunk) // 2
+            self._max_items = max(1, min(self._max_items, half))
+            return self._send_chunk(send, key, chunk[:half]) + self._send_chunk(
+                send, key, chunk[half:]
+            )
 
     def _item_failure(self, error: CryptdAPIError) -> Outcome:
         if error.code in _STOP_CODES:
@@ -258,10 +305,13 @@ class Rewrapper:
     ) -> list[DecryptResult | CryptdAPIError]:
         body = [{"ciphertext": token, "aad": aad} for token, aad in items]
         try:
-            return self._client.decrypt_batch(key, body)
-        except CryptdConnectionError as exc:
-            raise RunStopped(f"cannot reach the service: {exc}") from None
-        except CryptdAPIError as exc:
-            raise RunStopped(
-                f"--verify: the service refused a decrypt under {key!r}: {exc}"
-            ) from None
+            return self._send(self._client.decrypt_batch, key, body)
+        except RunStopped as exc:
+            raise RunStopped(f"--verify: {exc}") from None
+
+
+def _request_size(item: dict[str, Any]) -> int:
+    """An upper bound of the item's bytes in a request body."""
+    aad = item.get("aad")
+    size = _ITEM_OVERHEAD + len(item["ciphertext"]) + len(item.get("to_key") or "")
+    return size + (len(aad) * 4 // 3 + 4 if aad else 0)
