@@ -130,25 +130,25 @@ def decrypts_to(
     return results
 
 
-def migrate_command(server: Server, *args: str) -> list[str]:
+def migrate_command(server: Server, *args: str, credential_file: Path | None = None) -> list[str]:
     return [
         sys.executable,
         "-m",
         "service",
         "migrate",
         "--credential",
-        str(credential(server)),
+        str(credential_file or credential(server)),
         "--no-progress",
         *args,
     ]
 
 
 def run_migrate(
-    server: Server, *args: str, timeout: float = 300
+    server: Server, *args: str, timeout: float = 300, credential_file: Path | None = None
 ) -> tuple[int, dict[str, Any] | None, str]:
     """Run ``cryptd migrate --json``; return (exit status, report, stderr)."""
     done = subprocess.run(
-        [*migrate_command(server, *args), "--json"],
+        [*migrate_command(server, *args, credential_file=credential_file), "--json"],
         capture_output=True,
         text=True,
         timeout=timeout,

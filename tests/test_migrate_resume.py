@@ -5,10 +5,14 @@ would show up as skipped, already under the target key)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
+import socket
+import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -257,3 +261,89 @@ def test_a_row_changed_during_the_migration_is_never_overwritten(
     assert rows[7][1] == "changed by the app"
     assert all(decrypts_to(cryptd, target_key, [r for i, r in rows.items() if i != 7]))
     assert [json.loads(x)["id"] for x in (tmp_path / "f.jsonl").read_text().splitlines()] == [7]
+
+
+class _ResettingProxy:
+    """A TCP proxy in front of the server that resets every ``every``-th connection at its
+    second request, after reading it and before any answer (RST): a kept-alive connection cut
+    by a network device or a restarting server, mid-request."""
+
+    def __init__(self, upstream: str, every: int) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self._upstream = (host, int(port))
+        self._every = every
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.resets = 0
+        self._connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._connections += 1
+            doomed = self._connections % self._every == 0
+            upstream = socket.create_connection(self._upstream)
+            threading.Thread(
+                target=self._requests, args=(conn, upstream, doomed), daemon=True
+            ).start()
+            threading.Thread(target=self._pipe, args=(upstream, conn), daemon=True).start()
+
+    def _requests(self, conn: socket.socket, upstream: socket.socket, doomed: bool) -> None:
+        seen = 0
+        try:
+            while data := conn.recv(65536):
+                if data.startswith((b"POST ", b"GET ", b"PATCH ")):
+                    seen += 1
+                    if doomed and seen == 2:
+                        self.resets += 1
+                        linger = struct.pack("ii", 1, 0)
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                        break
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                upstream.shutdown(socket.SHUT_WR)
+            conn.close()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+            source.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_connections_reset_under_the_run_are_retried(
+    server: Server, cryptd: CryptdClient, tmp_path: Path
+) -> None:
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, f"sqlite:///{tmp_path / 'x.db'}", source, 3000)
+    proxy = _ResettingProxy(server.url, every=1)
+    try:
+        credential = json.loads((server.directory / "dev" / "client.json").read_text())
+        flaky = tmp_path / "flaky.json"
+        flaky.write_text(json.dumps({**credential, "url": proxy.url}))
+        # Every connection is cut at its second request.
+        args = sql_args(table, source, target, "--batch-size", "100", "--concurrency", "3")
+        status, report, stderr = run_migrate(server, *args, credential_file=flaky)
+    finally:
+        proxy.close()
+    assert status == 0, stderr[-3000:]
+    assert proxy.resets > 0
+    assert report is not None
+    _assert_exactly_once(report, 3000)
+    assert all(decrypts_to(cryptd, target, table.rows()))

@@ -195,6 +195,9 @@ class _Run:
                     except RunStopped as exc:
                         self.error = exc
                         break
+                    except Exception as exc:  # a bug: stop with the checkpoint consistent
+                        self.error = RunStopped(f"unexpected {type(exc).__name__}: {exc}")
+                        break
                     try:
                         self._commit(page, result)
                     except RunStopped as exc:

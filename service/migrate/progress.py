@@ -33,7 +33,7 @@ class ProgressDisplay:
     def start(self, remaining: int | None, before: Counts) -> ProgressDisplay:
         self._total = remaining
         self._started = self._last = time.monotonic()
-        if before.rows:
+        if before.rows and self.mode != "off":
             print(f"resuming: {_tally(before)} before this run", file=self._stream)
         if self.mode == "bar":
             self._bar = tqdm(

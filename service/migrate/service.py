@@ -18,7 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import httpx
 
 from service.client import (
     CryptdAPIError,
@@ -51,8 +53,10 @@ _USABLE_SOURCE = frozenset({"enabled", "decrypt_only"})
 _KEY_CHECK_INTERVAL = 5.0
 _MAX_REQUEST_BYTES = 768 * 1024  # under the service's default 1 MiB body limit
 _ITEM_OVERHEAD = 64  # field names, quotes and commas of one item
+_TRANSPORT_RETRIES = 5
 # A batch call of the client: (key, items) -> one result or item error per item.
 _Send = Callable[[str, list[dict[str, Any]]], list[Any]]
+R = TypeVar("R")
 _NULL = Outcome.skipped(SKIP_NULL)
 _ALREADY = Outcome.skipped(SKIP_ALREADY)
 
@@ -79,9 +83,26 @@ def _type_facts(type_name: str) -> tuple[int | None, bool]:
     return known.type_id, known.supports("encrypt")
 
 
+def resent(call: Callable[[], R]) -> R:
+    """``call()``, sent again after a transport error (a connection reset or a read timeout
+    after the request went out). For the requests of a migration that is safe: rewrap, decrypt
+    and reading metadata change nothing, and nothing is written before the answer. Raises
+    RunStopped when the service keeps failing."""
+    for attempt in range(_TRANSPORT_RETRIES + 1):
+        try:
+            return call()
+        except httpx.TransportError as exc:
+            if attempt == _TRANSPORT_RETRIES:
+                raise RunStopped(f"the service did not answer: {exc!r}") from None
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def _describe(client: CryptdClient, name: str, warnings: list[str]) -> KeyInfo:
     try:
-        meta: KeyMetadata = client.get_key(name)
+        meta: KeyMetadata = resent(lambda: client.get_key(name))
+    except RunStopped as exc:
+        raise MigrationRefused(str(exc)) from None
     except CryptdConnectionError as exc:
         raise MigrationRefused(f"cannot reach the service: {exc}") from None
     except CryptdAPIError as exc:
@@ -246,20 +267,25 @@ class Rewrapper:
         chunk: list[dict[str, Any]],
     ) -> list[Any]:
         try:
-            return list(send(key, chunk))
+            return list(resent(lambda: send(key, chunk)))
         except CryptdConnectionError as exc:
             raise RunStopped(f"cannot reach the service: {exc}") from None
         except CryptdAPIError as exc:
-            if exc.code != "payload_too_large":
-                raise RunStopped(f"the service refused a request under {key!r}: {exc}") from None
-            if len(chunk) == 1:
-                message = "the row is larger than the service accepts in one request"
-                return [api_error(413, "payload_too_large", message)]
-            half = len(chunk) // 2
-            self._max_items = max(1, min(self._max_items, half))
-            return self._send_chunk(send, key, chunk[:half]) + self._send_chunk(
-                send, key, chunk[half:]
-            )
+            return self._refused(send, key, chunk, exc)
+
+    def _refused(
+        self, send: _Send, key: str, chunk: list[dict[str, Any]], exc: CryptdAPIError
+    ) -> list[Any]:
+        """A request refused whole: too large is halved, anything else stops the run."""
+        if exc.code != "payload_too_large":
+            raise RunStopped(f"the service refused a request under {key!r}: {exc}") from None
+        if len(chunk) == 1:
+            message = "the row is larger than the service accepts in one request"
+            return [api_error(413, "payload_too_large", message)]
+        half = len(chunk) // 2
+        self._max_items = max(1, min(self._max_items, half))
+        head = self._send_chunk(send, key, chunk[:half])
+        return head + self._send_chunk(send, key, chunk[half:])
 
     def _item_failure(self, error: CryptdAPIError) -> Outcome:
         if error.code in _STOP_CODES:
