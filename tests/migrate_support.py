@@ -101,26 +101,35 @@ class Table:
 
 
 def table_of(
-    cryptd: CryptdClient, url: str, key: str, count: int, *, with_aad: bool = True
+    cryptd: CryptdClient,
+    url: str,
+    key: str,
+    count: int,
+    *,
+    with_aad: bool = True,
+    chunk: int = 1000,
 ) -> Table:
     plaintexts = [os.urandom(1 + i % 40) for i in range(count)]
     aads = [f"row-{i}".encode() if with_aad else None for i in range(count)]
     tokens: list[str] = []
-    for start in range(0, count, 1000):
-        chunk = slice(start, start + 1000)
-        tokens += encrypt(cryptd, key, plaintexts[chunk], aads[chunk])
+    for start in range(0, count, chunk):
+        part = slice(start, start + chunk)
+        tokens += encrypt(cryptd, key, plaintexts[part], aads[part])
     table = Table(url)
     table.create([(i + 1, tokens[i], plaintexts[i], aads[i]) for i in range(count)])
     return table
 
 
 def decrypts_to(
-    cryptd: CryptdClient, key: str, rows: Sequence[tuple[Any, Any, bytes | None, bytes | None]]
+    cryptd: CryptdClient,
+    key: str,
+    rows: Sequence[tuple[Any, Any, bytes | None, bytes | None]],
+    batch: int = 1000,
 ) -> list[bool]:
     """For each row: does its token decrypt under ``key`` to its plaintext column?"""
     results: list[bool] = []
-    for start in range(0, len(rows), 1000):
-        chunk = rows[start : start + 1000]
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
         items = [
             {"ciphertext": r[1].decode() if isinstance(r[1], bytes) else r[1], "aad": r[3]}
             for r in chunk

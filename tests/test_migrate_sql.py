@@ -301,3 +301,23 @@ def test_requests_fit_the_service_limits(tmp_path: Path) -> None:
             assert after[240][1] == tokens[240]
     finally:
         stop_server(limited)
+
+
+def test_an_overloaded_service_gets_smaller_requests(tmp_path: Path) -> None:
+    """A service whose work queue holds few tasks answers big batches 503: the tool halves the
+    requests it cannot finish and completes the run."""
+    small = start_server(tmp_path / "server", {"CRYPTD_POOL_MAX_PENDING": "4"})
+    try:
+        with client(small) as cryptd:
+            source, target = new_key(cryptd, "rsa-2048"), new_key(cryptd, "sm2")
+            table = table_of(cryptd, f"sqlite:///{tmp_path / 'busy.db'}", source, 1200, chunk=20)
+            status, report, stderr = run_migrate(
+                small, *sql_args(table, source, target, "--batch-size", "600")
+            )
+            assert status == 0, stderr
+            assert report is not None
+            assert report["total"]["migrated"] == 1200
+            assert all(decrypts_to(cryptd, target, table.rows(), batch=20))
+        assert "overloaded" in small.log()  # the service did refuse some requests
+    finally:
+        stop_server(small)

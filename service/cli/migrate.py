@@ -130,8 +130,9 @@ def _migrate(args: argparse.Namespace) -> int:
 
     credential = args.credential or default_credential()
 
-    # Patient retries: a migration outlives short overloads, and RSA pages take seconds.
-    client = CryptdClient.from_file(credential, timeout=120.0, retries=8, max_total_wait=300.0)
+    # RSA pages take seconds under load; past a few retries the tool halves a request the
+    # service cannot finish in time rather than sending it again whole.
+    client = CryptdClient.from_file(credential, timeout=120.0, retries=4, max_total_wait=60.0)
     with client:
         return _run(args, client)
 

@@ -162,7 +162,11 @@ class Rewrapper:
         self._same_type = source.type_id is None or source.type_id == target.type_id
         self._check_lock = threading.Lock()
         self._keys_checked = 0.0
-        self._max_items = 1000  # the service's default batch limit; lowered by a 413
+        # Items per request: the service's default batch limit, lowered for good by a 413
+        # (its limit is smaller) and for a while by a 503 (it cannot finish so much in time).
+        self._size_limit = 1000
+        self._load_limit = 1000
+        self._successes = 0
 
     # -- one page ---------------------------------------------------------------------------
 
@@ -251,7 +255,7 @@ class Rewrapper:
         size = 0
         for item in items:
             item_size = _request_size(item)
-            if chunk and (size + item_size > _MAX_REQUEST_BYTES or len(chunk) >= self._max_items):
+            if chunk and (size + item_size > _MAX_REQUEST_BYTES or len(chunk) >= self._limit()):
                 results += self._send_chunk(send, key, chunk)
                 chunk, size = [], 0
             chunk.append(item)
@@ -260,6 +264,9 @@ class Rewrapper:
             results += self._send_chunk(send, key, chunk)
         return results
 
+    def _limit(self) -> int:
+        return min(self._size_limit, self._load_limit)
+
     def _send_chunk(
         self,
         send: _Send,
@@ -267,23 +274,37 @@ class Rewrapper:
         chunk: list[dict[str, Any]],
     ) -> list[Any]:
         try:
-            return list(resent(lambda: send(key, chunk)))
+            results = list(resent(lambda: send(key, chunk)))
         except CryptdConnectionError as exc:
             raise RunStopped(f"cannot reach the service: {exc}") from None
         except CryptdAPIError as exc:
             return self._refused(send, key, chunk, exc)
+        with self._check_lock:  # after a 503, grow back: double every 20 requests that pass
+            self._successes += 1
+            if self._load_limit < self._size_limit and self._successes >= 20:
+                self._load_limit = min(self._size_limit, self._load_limit * 2)
+                self._successes = 0
+        return results
 
     def _refused(
         self, send: _Send, key: str, chunk: list[dict[str, Any]], exc: CryptdAPIError
     ) -> list[Any]:
-        """A request refused whole: too large is halved, anything else stops the run."""
-        if exc.code != "payload_too_large":
+        """A request refused whole (after the client's own retries): a request too large for
+        the service (413) or too much for it to finish in time (503) is halved; anything else
+        stops the run."""
+        if exc.code not in ("payload_too_large", "overloaded"):
             raise RunStopped(f"the service refused a request under {key!r}: {exc}") from None
         if len(chunk) == 1:
+            if exc.code == "overloaded":
+                raise RunStopped(f"the service stays overloaded: {exc}") from None
             message = "the row is larger than the service accepts in one request"
             return [api_error(413, "payload_too_large", message)]
         half = len(chunk) // 2
-        self._max_items = max(1, min(self._max_items, half))
+        with self._check_lock:
+            if exc.code == "payload_too_large":
+                self._size_limit = max(1, min(self._size_limit, half))
+            self._load_limit = max(1, min(self._load_limit, half))
+            self._successes = 0
         head = self._send_chunk(send, key, chunk[:half])
         return head + self._send_chunk(send, key, chunk[half:])
 
