@@ -184,11 +184,19 @@ class Run:
 def rewrap_alone(
     client: CryptdClient, server: Cryptd, pair: tuple[str, str], tokens: Sequence[str], args: Any
 ) -> Run:
+    """The tool's own request layer (the same client, request sizes, retries and halving on
+    503), without the database, the checkpoint or anything else."""
+    from service.migrate.service import KeyInfo, Rewrapper
+
     source, target = pair
+    rewrapper = Rewrapper(
+        client, KeyInfo(source, None, None, None), KeyInfo(target, None, None, None)
+    )
     pages = [tokens[i : i + args.batch_size] for i in range(0, len(tokens), args.batch_size)]
 
     def one(page: Sequence[str]) -> int:
-        results = client.rewrap_batch(source, [{"ciphertext": t, "to_key": target} for t in page])
+        items = [{"ciphertext": t, "to_key": target} for t in page]
+        results = rewrapper._rewrap(source, items)
         return sum(1 for r in results if not isinstance(r, Exception))
 
     with CpuWindow(server.pids, "self") as window:
@@ -387,7 +395,7 @@ def measure_writers(client: CryptdClient, rows: int, args: Any) -> list[dict[str
                     for i, t in enumerate(page.tokens)
                     if t
                 ]
-                source.write(page, changes, lambda _c, _w: None)
+                source.write([(page, changes)], lambda _c, _w: None)
             seconds = time.monotonic() - started
             source.close()
             log(f"  writer {writer}: {rows / seconds:,.0f} rows/s")
@@ -431,7 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = Cryptd(work / "server", workers=args.workers)
         server.start()
         try:
-            client = CryptdClient.from_file(server.credentials, timeout=300, retries=8)
+            client = CryptdClient.from_file(
+                server.credentials, timeout=120.0, retries=4, max_total_wait=60.0
+            )
             log(f"cryptd at {server.url}; machine load from others {others_load():.2f} cores")
             cases: list[Case] = []
             for pair_name in args.pairs.split(","):

@@ -157,7 +157,7 @@ def test_a_killed_file_migration_resumes_without_duplicates(
         ) as process:
             deadline = time.monotonic() + 60
             while not out.exists() or out.stat().st_size <= size + 20000:
-                assert process.poll() is None
+                assert process.poll() is None, process.communicate()[1]
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             process.send_signal(signal.SIGKILL)

@@ -27,7 +27,7 @@ from service.migrate.engine import Migration, Options
 from service.migrate.failures import FailureLog
 from service.migrate.model import Page
 from service.migrate.service import Rewrapper, preflight
-from service.migrate.source import Written
+from service.migrate.source import Changes, Written
 from service.migrate.sql import SqlSource
 from tests.conftest import Server
 from tests.migrate_support import (
@@ -159,34 +159,41 @@ class _Crash(BaseException):
 
 
 class _CrashingSource(SqlSource):
-    """Stops the process (an exception nothing catches) at one point of the ``crash_at``-th
-    page's write: before the commit, after the checkpoint that precedes it, or after it."""
+    """Stops the process (an exception nothing catches) at one point of its ``crash_at``-th
+    write: before the commit, after the checkpoint that precedes it, or after it."""
 
     def __init__(self, *args: Any, crash_at: int, when: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.crash_at, self.when, self.pages = crash_at, when, 0
+        self.crash_at, self.when, self.writes = crash_at, when, 0
+        self.committed = 0  # rows committed before the crash
+        self.crashing = 0  # rows of the write that crashes
 
-    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
-        self.pages += 1
-        if self.pages != self.crash_at:
-            return super().write(page, changes, written)
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
+        self.writes += 1
+        rows = sum(len(changes) for _, changes in group)
+        if self.writes != self.crash_at:
+            super().write(group, written)
+            self.committed += rows
+            return
+        self.crashing = rows
 
-        def then_crash(conflicts: Sequence[int], witness: Any) -> None:
+        def then_crash(conflicts: Sequence[tuple[int, int]], witness: Any) -> None:
             written(conflicts, witness)
             if self.when == "before-commit":
                 raise _Crash
 
-        super().write(page, changes, then_crash)
+        super().write(group, then_crash)
         raise _Crash  # after the commit, before the next checkpoint
 
 
 def _run_in_process(
     server: Server, table: Table, source_key: str, target_key: str, checkpoint: Path, **crash: Any
-) -> None:
+) -> SqlSource:
     with client(server) as cryptd:
         source_info, target_info, _ = preflight(cryptd, source_key, target_key)
         if crash:
-            source: SqlSource = _CrashingSource(table.url, "t", "tok", "id", "aad", **crash)
+            cls = crash.pop("cls", _CrashingSource)
+            source: SqlSource = cls(table.url, "t", "tok", "id", "aad", **crash)
         else:
             source = SqlSource(table.url, "t", "tok", "id", "aad")
         binding = {"source": source.identity(), "from_key": source_key, "to_key": target_key}
@@ -203,6 +210,7 @@ def _run_in_process(
         finally:
             source.close()
             log.close()
+    return source
 
 
 @pytest.mark.parametrize("when", ["before-commit", "after-commit"])
@@ -210,34 +218,46 @@ def test_a_crash_on_either_side_of_a_commit(
     server: Server, cryptd: CryptdClient, db_url: str, tmp_path: Path, when: str
 ) -> None:
     source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
-    table = table_of(cryptd, db_url, source, 400)
+    table = table_of(cryptd, db_url, source, 1200)  # 30 pages: groups of at most 6 (read-ahead)
     checkpoint = tmp_path / "crash.ckpt"
+    crashing: list[_CrashingSource] = []
+
+    class Recorded(_CrashingSource):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            crashing.append(self)
+
     with pytest.raises(_Crash):
-        _run_in_process(server, table, source, target, checkpoint, crash_at=4, when=when)
+        _run_in_process(
+            server, table, source, target, checkpoint, crash_at=3, when=when, cls=Recorded
+        )
+    (crashed,) = crashing
     saved = json.loads(checkpoint.read_text())
-    assert saved["pending"] is not None  # the page's checkpoint was written before its commit
+    assert saved["pending"] is not None  # the group's checkpoint was written before its commit
     landed = sum(decrypts_to(cryptd, target, table.rows()))
-    assert landed == (160 if when == "after-commit" else 120)
+    expected = crashed.committed + (crashed.crashing if when == "after-commit" else 0)
+    assert crashed.committed > 0
+    assert landed == expected
     status, report, stderr = run_migrate(
         server, *sql_args(table, source, target, "--checkpoint", str(checkpoint))
     )
     assert status == 0, stderr
     assert report is not None
-    _assert_exactly_once(report, 400)
-    assert report["run"]["migrated"] == 400 - landed
+    _assert_exactly_once(report, 1200)
+    assert report["run"]["migrated"] == 1200 - landed
     assert all(decrypts_to(cryptd, target, table.rows()))
 
 
 class _MeddlingSource(SqlSource):
     """The application writes to a row after the migration read it and before it is written."""
 
-    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
-        if 7 in page.ids:
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
+        if any(7 in page.ids for page, _ in group):
             engine = sa.create_engine(self._url)
             with engine.begin() as conn:
                 conn.exec_driver_sql("UPDATE t SET tok = 'changed by the app' WHERE id = 7")
             engine.dispose()
-        super().write(page, changes, written)
+        super().write(group, written)
 
 
 def test_a_row_changed_during_the_migration_is_never_overwritten(

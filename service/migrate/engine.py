@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from .service import BatchResult, Rewrapper
 from .source import Source
 
 MAX_LISTED_FAILURES = 20
+GROUP_ROWS = 5000  # at most this many rows (whole pages) in one transaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,10 @@ class Migration:
         if self.failures is not None and not dry:
             self.failures.open(state.committed.failures_offset if resumed else None)
         remaining = self.source.start(state.committed.position)
+        if not resumed and not dry and self.checkpoint is not None:
+            # Before anything is written: a run killed from here on has a checkpoint to resume.
+            state.committed = Snapshot(self.source.position(), Counts(), 0)
+            self.checkpoint.save(state)
         progress = self._on_start(remaining, state.committed.counts) if self._on_start else None
         run = _Run(self, state, progress, remaining)
         try:
@@ -167,15 +172,14 @@ class _Run:
     def pump(self) -> None:
         options = self.m.options
         inflight: deque[tuple[Page, Future[BatchResult]]] = deque()
+        # Pages read ahead: ``concurrency`` at the service and as many again queued behind
+        # them, so the service stays busy while this thread writes a group back.
+        ahead = 2 * options.concurrency
         exhausted = False
         with ThreadPoolExecutor(options.concurrency, thread_name_prefix="rewrap") as pool:
             try:
                 while True:
-                    while (
-                        not exhausted
-                        and not self.m.stopping
-                        and len(inflight) < options.concurrency
-                    ):
+                    while not exhausted and not self.m.stopping and len(inflight) < ahead:
                         try:
                             page = self.m.source.read(options.batch_size)
                         except RunStopped as exc:
@@ -189,45 +193,67 @@ class _Run:
                         inflight.append((page, future))
                     if not inflight:
                         break
-                    page, future = inflight.popleft()
-                    try:
-                        result = future.result()
-                    except RunStopped as exc:
-                        self.error = exc
-                        break
-                    except Exception as exc:  # a bug: stop with the checkpoint consistent
-                        self.error = RunStopped(f"unexpected {type(exc).__name__}: {exc}")
-                        break
-                    try:
-                        self._commit(page, result)
-                    except RunStopped as exc:
-                        self.error = exc
+                    group = self._ready(inflight)
+                    if group:
+                        try:
+                            self._commit(group)
+                        except RunStopped as exc:
+                            self.error = exc
+                    if self.error is not None:
                         break
             finally:
                 for _, pending in inflight:
                     pending.cancel()
         self.complete = exhausted and self.error is None and not self.m.stopping
 
-    def _commit(self, page: Page, result: BatchResult) -> None:
-        outcomes = result.outcomes
-        changes = [(i, o.token) for i, o in enumerate(outcomes) if o.kind is Kind.MIGRATED]
-        if self.m.options.dry_run:
-            self._account(page, outcomes, result.verified)
-            return
+    def _ready(
+        self, inflight: deque[tuple[Page, Future[BatchResult]]]
+    ) -> list[tuple[Page, BatchResult]]:
+        """The next page (waiting for it) and the pages after it that are done already, up to
+        GROUP_ROWS rows: written back in one transaction with one checkpoint, so a fast
+        service is not held back by the fsyncs of one commit per page. A page that failed
+        ends the group and sets ``error``."""
+        group: list[tuple[Page, BatchResult]] = []
+        rows = 0
+        while inflight and (not group or inflight[0][1].done()) and rows < GROUP_ROWS:
+            page, future = inflight[0]
+            try:
+                result = future.result()
+            except RunStopped as exc:
+                self.error = exc
+                break
+            except Exception as exc:  # a bug: stop with the checkpoint consistent
+                self.error = RunStopped(f"unexpected {type(exc).__name__}: {exc}")
+                break
+            inflight.popleft()
+            group.append((page, result))
+            rows += len(page)
+        return group
 
-        def written(conflicts: Any, witness: Any) -> None:
-            for index in conflicts:
-                outcomes[index] = Outcome.failed(
+    def _commit(self, group: list[tuple[Page, BatchResult]]) -> None:
+        if self.m.options.dry_run:
+            for page, result in group:
+                self._account(page, result.outcomes, result.verified)
+            return
+        changes = [
+            [(i, o.token) for i, o in enumerate(result.outcomes) if o.token is not None]
+            for _, result in group
+        ]
+
+        def written(conflicts: Sequence[tuple[int, int]], witness: Any) -> None:
+            for number, index in conflicts:
+                group[number][1].outcomes[index] = Outcome.failed(
                     FAIL_CHANGED, "the row changed after it was read; left as it is"
                 )
-            entries = self._failures(page, outcomes)
+            entries = [e for page, r in group for e in self._failures(page, r.outcomes)]
             log = self.m.failures
             offset = log.append(entries) if log is not None else 0
             counts = self.state.committed.counts.copy()
-            counts.add(outcomes)
-            counts.verified += result.verified
+            for _, result in group:
+                counts.add(result.outcomes)
+                counts.verified += result.verified
             counts.elapsed = self.base.elapsed + time.monotonic() - self.started
-            snapshot = Snapshot(page.end, counts, offset)
+            snapshot = Snapshot(group[-1][0].end, counts, offset)
             if witness is None:
                 self.state.committed = snapshot
             else:  # durable only with the commit that follows: saved as pending
@@ -235,11 +261,15 @@ class _Run:
             if self.m.checkpoint is not None:
                 self.m.checkpoint.save(self.state)
 
-        self.m.source.write(page, [(i, t) for i, t in changes if t is not None], written)
+        pages = [
+            (page, page_changes) for (page, _), page_changes in zip(group, changes, strict=True)
+        ]
+        self.m.source.write(pages, written)
         if self.state.pending is not None:  # the commit returned: it landed
             self.state.committed = self.state.pending
             self.state.pending, self.state.witness = None, None
-        self._account(page, outcomes, result.verified)
+        for page, result in group:
+            self._account(page, result.outcomes, result.verified)
 
     def _failures(self, page: Page, outcomes: list[Outcome]) -> list[dict[str, Any]]:
         entries = [

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from .model import FAIL_BAD_RECORD, FAIL_NOT_TEXT, MigrationRefused, Page
-from .source import Written
+from .source import Changes, Written
 
 _CHUNK = 1 << 20
 
@@ -108,6 +108,7 @@ class _FileSource:
         self._in_offset = 0
         self._out_offset = 0
         self._number = 0  # records read so far (the row id of files)
+        self._prologue = b""  # what goes before the first record (a CSV header)
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -156,8 +157,7 @@ class _FileSource:
                     "of the run that wrote it"
                 )
             self._out = open(self._out_path, "wb")  # noqa: SIM115
-            self._out.write(prologue)
-            self._out_offset = len(prologue)
+            self._out_offset = 0
         else:
             try:
                 out = open(self._out_path, "r+b")  # noqa: SIM115
@@ -176,7 +176,13 @@ class _FileSource:
             out.truncate(self._out_offset)
             out.seek(self._out_offset)
             self._out = out
+        # The header goes out with the first write, so that nothing is in the output before
+        # the first checkpoint that counts it.
+        self._prologue = prologue if self._out_offset == 0 else b""
         return remaining
+
+    def position(self) -> Any:
+        return {"in": self._in_offset, "out": self._out_offset, "records": self._number}
 
     def read(self, limit: int) -> Page | None:
         records: list[_Record] = []
@@ -203,21 +209,24 @@ class _FileSource:
         with_aad = self._aad_field is not None
         return Page(ids, tokens, aads if with_aad else None, end, failures, records)
 
-    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
-        records: list[_Record] = page.extra
-        new = dict(changes)
-        parts = [
-            self._replace(record, new[record.index]) if record.index in new else record.raw
-            for record in records
-        ]
-        data = b"".join(parts)
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
+        parts: list[bytes] = []
+        for page, changes in group:
+            records: list[_Record] = page.extra
+            new = dict(changes)
+            parts += [
+                self._replace(record, new[record.index]) if record.index in new else record.raw
+                for record in records
+            ]
+        data = self._prologue + b"".join(parts)
+        self._prologue = b""
         out = self._out
         assert out is not None
         out.write(data)
         out.flush()
         os.fsync(out.fileno())
         self._out_offset += len(data)
-        page.end["out"] = self._out_offset
+        group[-1][0].end["out"] = self._out_offset
         written([], None)
 
     def landed(self, witness: Any) -> bool:

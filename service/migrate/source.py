@@ -12,11 +12,14 @@ from typing import Any, Protocol
 
 from .model import Page
 
-# Called by Source.write once the page's changes are in place: ``conflicts`` are indexes of
-# rows that could not be written (they changed since they were read); ``witness`` is None when
-# the write is already durable, or a value for Source.landed() when it becomes durable only
-# with the commit that follows the callback.
-Written = Callable[[Sequence[int], Any], None]
+# New tokens for one page: (row index in the page, token).
+Changes = Sequence[tuple[int, str]]
+
+# Called by Source.write once a group's changes are in place: ``conflicts`` are (page number
+# in the group, row index) of rows that could not be written (they changed since they were
+# read); ``witness`` is None when the write is already durable, or a value for
+# Source.landed() when it becomes durable only with the commit that follows the callback.
+Written = Callable[[Sequence[tuple[int, int]], Any], None]
 
 
 class Source(Protocol):
@@ -29,13 +32,18 @@ class Source(Protocol):
         the position on resume). Return how many rows remain, if known."""
         ...
 
+    def position(self) -> Any:
+        """Where the source stands now (after start: where reading begins)."""
+        ...
+
     def read(self, limit: int) -> Page | None:
         """The next page of at most ``limit`` rows, or None at the end."""
         ...
 
-    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
-        """Replace the tokens of ``page.rows[index]`` for each (index, token) in ``changes``;
-        call ``written`` exactly once, before the write is committed."""
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
+        """Write back a group of consecutive pages, in order and all or nothing: for each page,
+        replace the token of row ``index`` by ``token`` for each (index, token) of its changes.
+        Call ``written`` exactly once, before the group is committed."""
         ...
 
     def landed(self, witness: Any) -> bool:

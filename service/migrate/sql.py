@@ -29,7 +29,7 @@ from .model import (
     Page,
     RunStopped,
 )
-from .source import Written
+from .source import Changes, Written
 from .sql_write import Change, writer_for
 
 _SQLITE_ROWID = frozenset({"rowid", "_rowid_", "oid"})
@@ -202,6 +202,9 @@ class SqlSource:
     def _params(self) -> dict[str, Any]:
         return {} if self._after is None else {"after": self._after}
 
+    def position(self) -> dict[str, Any]:
+        return self._position()
+
     def _position(self) -> dict[str, Any]:
         return {"after": encode_id(self._after), "nulls": self._nulls_done}
 
@@ -262,14 +265,15 @@ class SqlSource:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def write(self, page: Page, changes: Sequence[tuple[int, str]], written: Written) -> None:
-        originals: list[Any] = page.extra
-        ids = page.ids
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
         batch: list[Change] = []
-        for index, token in changes:
-            old = originals[index]
-            new: Any = token if type(old) is str else token.encode("ascii")
-            batch.append(Change(index, ids[index], old, new))
+        for number, (page, changes) in enumerate(group):
+            originals: list[Any] = page.extra
+            ids = page.ids
+            for index, token in changes:
+                old = originals[index]
+                new: Any = token if type(old) is str else token.encode("ascii")
+                batch.append(Change((number, index), ids[index], old, new))
         if not batch:
             written([], None)
             return

@@ -24,15 +24,15 @@ from .model import MigrationRefused
 
 
 class Change(NamedTuple):
-    at: int  # the row's place in its page
+    at: tuple[int, int]  # the row's place: (page in the group, row in the page)
     ident: Any
     old: Any  # the value as read (str or bytes)
     new: str | bytes  # same type as ``old``
 
 
 class Writer(Protocol):
-    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
-        """Apply ``changes`` (no commit); return the indexes of the rows updated."""
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+        """Apply ``changes`` (no commit); return the places (``at``) of the rows updated."""
         ...
 
 
@@ -47,7 +47,7 @@ class SqliteWriter:
         self._sql = f"UPDATE {t} SET {col} = ? WHERE {ident} = ? AND {col} = ?"  # noqa: S608
         self._check = f"SELECT {col} FROM {t} WHERE {ident} = ?"  # noqa: S608
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
         cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
             cursor.executemany(self._sql, [(c.new, c.ident, c.old) for c in changes])
@@ -55,7 +55,7 @@ class SqliteWriter:
                 return {c.at for c in changes}
             # Some rows changed since they were read: the rows holding their new (random,
             # never repeated) token are the ones this transaction updated.
-            updated: set[int] = set()
+            updated: set[tuple[int, int]] = set()
             for change in changes:
                 found = cursor.execute(self._check, (change.ident,)).fetchone()
                 if found is not None and found[0] == change.new:
@@ -97,7 +97,7 @@ class PostgresUnnestWriter(_PostgresBase):
             f" WHERE {t}.{ident} = v.id AND {t}.{col} = v.old RETURNING v.n"
         )
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
         params = (
             [c.ident for c in changes],
             [c.old for c in changes],
@@ -115,8 +115,8 @@ class PostgresExecutemanyWriter(_PostgresBase):
         t, ident, col = self.t, self.ident, self.col
         self._sql = f"UPDATE {t} SET {col} = %s WHERE {ident} = %s AND {col} = %s RETURNING 1"  # noqa: S608
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
-        updated: set[int] = set()
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+        updated: set[tuple[int, int]] = set()
         with self._cursor(conn) as cursor:
             cursor.executemany(
                 self._sql, [(c.new, c.ident, c.old) for c in changes], returning=True
@@ -138,8 +138,8 @@ class GenericWriter:
             .values({column: sa.bindparam("_new")})
         )
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[int]:
-        updated: set[int] = set()
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+        updated: set[tuple[int, int]] = set()
         for change in changes:
             params = {"_id": change.ident, "_old": change.old, "_new": change.new}
             if conn.execute(self._statement, params).rowcount == 1:
