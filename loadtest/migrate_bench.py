@@ -384,7 +384,7 @@ def measure_writers(client: CryptdClient, rows: int, args: Any) -> list[dict[str
     db = PostgresDatabase()
     try:
         db.load(tokens)
-        for writer in ("postgresql", "pg-executemany", "generic"):
+        for writer in ("postgresql", "pg-unnest", "pg-executemany", "generic"):
             db.reset()
             source = SqlSource(db.url, "t", "tok", "id", writer=writer)
             source.start(None)

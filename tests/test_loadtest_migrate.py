@@ -57,5 +57,10 @@ def test_migrate_benchmark_smoke(tmp_path: Path, pg_database: str) -> None:
         assert case["ratio"] > 0
     assert [m["rows"] for m in document["memory"]] == [200, 1500]
     assert all(m["peak_rss_mb"] > 10 for m in document["memory"])
-    assert {w["writer"] for w in document["writers"]} == {"postgresql", "pg-executemany", "generic"}
+    assert {w["writer"] for w in document["writers"]} == {
+        "postgresql",
+        "pg-unnest",
+        "pg-executemany",
+        "generic",
+    }
     assert "| sqlite | aes256-gcm -> sm4-gcm |" in done.stdout

@@ -260,13 +260,34 @@ class _MeddlingSource(SqlSource):
         super().write(group, written)
 
 
+WRITERS = [
+    ("sqlite", "sqlite"),
+    ("sqlite", "generic"),
+    ("postgresql", "postgresql"),
+    ("postgresql", "pg-unnest"),
+    ("postgresql", "pg-executemany"),
+    ("postgresql", "generic"),
+]
+
+
+@pytest.mark.parametrize(("database", "writer"), WRITERS)
 def test_a_row_changed_during_the_migration_is_never_overwritten(
-    server: Server, cryptd: CryptdClient, db_url: str, tmp_path: Path
+    server: Server,
+    cryptd: CryptdClient,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    database: str,
+    writer: str,
 ) -> None:
+    """Every writer: a compare-and-set per row, the rows it wrote reported exactly."""
+    if database == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tokens.db'}"
+    else:
+        url = request.getfixturevalue("pg_database")
     source_key, target_key = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
-    table = table_of(cryptd, db_url, source_key, 50)
+    table = table_of(cryptd, url, source_key, 50)
     source_info, target_info, _ = preflight(cryptd, source_key, target_key)
-    source = _MeddlingSource(table.url, "t", "tok", "id", "aad")
+    source = _MeddlingSource(table.url, "t", "tok", "id", "aad", writer=writer)
     log = FailureLog(tmp_path / "f.jsonl")
     try:
         result = Migration(

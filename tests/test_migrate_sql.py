@@ -321,3 +321,29 @@ def test_an_overloaded_service_gets_smaller_requests(tmp_path: Path) -> None:
         assert "overloaded" in small.log()  # the service did refuse some requests
     finally:
         stop_server(small)
+
+
+def test_uuid_ids_and_binary_token_columns(
+    server: Server, cryptd: CryptdClient, pg_database: str, tmp_path: Path
+) -> None:
+    """PostgreSQL UUID ids (kept in the checkpoint with their type) and BYTEA tokens (written
+    back as bytes)."""
+    import uuid
+
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    plaintexts = [os.urandom(12) for _ in range(300)]
+    tokens = encrypt(cryptd, source, plaintexts, [None] * 300)
+    table = Table(pg_database)
+    rows = [(uuid.uuid4(), t.encode(), p, None) for t, p in zip(tokens, plaintexts, strict=True)]
+    table.create(rows, id_type="UUID", tok_type="BYTEA")
+    checkpoint = tmp_path / "u.ckpt"
+    args = sql_args(table, source, target, "--batch-size", "64", "--checkpoint", str(checkpoint))
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    assert report["total"]["migrated"] == 300
+    saved = json.loads(checkpoint.read_text())
+    assert set(saved["committed"]["position"]["after"]) == {"uuid"}
+    after = table.rows()
+    assert all(isinstance(r[1], bytes) for r in after)
+    assert all(decrypts_to(cryptd, target, after))

@@ -6,9 +6,10 @@ the fastest way to send a thousand updates differs (measured in loadtest/migrate
 
 - ``sqlite``: the driver's executemany of one prepared UPDATE (no network; its summed row
   count tells whether every row was updated, and only when not are the rows looked at);
-- ``postgresql``: one statement for the whole page, ``UPDATE ... FROM unnest(ids, olds, news)
-  ... RETURNING id``, three array parameters (one round trip, a constant statement);
-- ``pg-executemany``: psycopg's pipelined executemany with RETURNING (for comparison);
+- ``postgresql``: COPY of the page into a session-local temporary table, then one ``UPDATE
+  ... FROM`` it ``RETURNING`` the rows written (a third of the client CPU of the next);
+- ``pg-unnest``: one statement, ``UPDATE ... FROM unnest(ids, olds, news) ... RETURNING``;
+- ``pg-executemany``: psycopg's pipelined executemany with RETURNING;
 - ``generic``: SQLAlchemy Core, one UPDATE per row (any dialect; correct, not fast).
 """
 
@@ -109,6 +110,35 @@ class PostgresUnnestWriter(_PostgresBase):
         return {changes[n - 1].at for n in ordinals}
 
 
+class PostgresCopyWriter(_PostgresBase):
+    """COPY the page into a session-local temporary table, then one UPDATE joined to it."""
+
+    _TEMP = "cryptd_migrate_page"
+
+    def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
+        super().__init__(conn, table, id_column, column)
+        t, ident, col, temp = self.t, self.ident, self.col, self._TEMP
+        conn.exec_driver_sql(
+            f"CREATE TEMPORARY TABLE IF NOT EXISTS {temp} (n integer, id {self.id_type},"
+            f" old {self.col_type}, new {self.col_type}) ON COMMIT DELETE ROWS"
+        )
+        conn.commit()
+        self._copy = f"COPY {temp} (n, id, old, new) FROM STDIN"
+        self._sql = (
+            f"UPDATE {t} SET {col} = p.new FROM {temp} AS p"  # noqa: S608
+            f" WHERE {t}.{ident} = p.id AND {t}.{col} = p.old RETURNING p.n"
+        )
+
+    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+        with self._cursor(conn) as cursor:
+            with cursor.copy(self._copy) as copy:
+                for n, change in enumerate(changes):
+                    copy.write_row((n, change.ident, change.old, change.new))
+            cursor.execute(self._sql)
+            ordinals = [int(row[0]) for row in cursor.fetchall()]
+        return {changes[n].at for n in ordinals}
+
+
 class PostgresExecutemanyWriter(_PostgresBase):
     def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
         super().__init__(conn, table, id_column, column)
@@ -149,7 +179,8 @@ class GenericWriter:
 
 WRITERS: dict[str, Callable[[Connection, sa.TableClause, str, str], Writer]] = {
     "sqlite": SqliteWriter,
-    "postgresql": PostgresUnnestWriter,
+    "postgresql": PostgresCopyWriter,
+    "pg-unnest": PostgresUnnestWriter,
     "pg-executemany": PostgresExecutemanyWriter,
     "generic": GenericWriter,
 }
@@ -167,7 +198,7 @@ def writer_for(
         else:
             name = "generic"
     needs = {"sqlite": ("sqlite", "pysqlite"), "postgresql": ("postgresql", "psycopg")}
-    needs["pg-executemany"] = needs["postgresql"]
+    needs["pg-executemany"] = needs["pg-unnest"] = needs["postgresql"]
     if name not in WRITERS:
         raise MigrationRefused(f"unknown writer {name!r}; known: {', '.join(WRITERS)}")
     if name in needs and needs[name] != (dialect, driver):
