@@ -310,8 +310,17 @@ def render(
         lines += ["", "| table rows (SQLite, AES) | tool peak RSS MB | rows/s |", "|---|---|---|"]
         lines += [f"| {m['rows']:,} | {m['peak_rss_mb']:.0f} | {m['rate']:,.0f} |" for m in memory]
     if writers:
-        lines += ["", "| PostgreSQL writer | rows/s (database side only) |", "|---|---|"]
-        lines += [f"| {w['writer']} | {w['rate']:,.0f} |" for w in writers]
+        lines += [
+            "",
+            "| PostgreSQL writer (database side only) | rows/s | tool CPU µs/row | "
+            "PostgreSQL backend CPU µs/row |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {w['writer']} | {w['rate']:,.0f} | {w['tool_us_per_row']:.1f} | "
+            f"{w['backend_us_per_row']:.1f} |"
+            for w in writers
+        ]
     return "\n".join(lines)
 
 
@@ -376,7 +385,9 @@ def measure_memory(
 
 def measure_writers(client: CryptdClient, rows: int, args: Any) -> list[dict[str, Any]]:
     """The database side of each PostgreSQL strategy: read pages, write a new token per row
-    (no service), one transaction per page."""
+    (no service), groups of four pages per transaction as the tool writes them under a fast
+    service. CPU of this thread (the tool's side) and of the PostgreSQL backend serving it."""
+    from loadtest.procstat import tree_cpu_seconds
     from service.migrate.sql import SqlSource
 
     tokens = make_tokens(client, PAIRS["aes"][0], rows, args.concurrency)
@@ -384,22 +395,42 @@ def measure_writers(client: CryptdClient, rows: int, args: Any) -> list[dict[str
     db = PostgresDatabase()
     try:
         db.load(tokens)
-        for writer in ("postgresql", "pg-unnest", "pg-executemany", "generic"):
+        for writer in ("postgresql", "pg-copy", "pg-executemany", "generic"):
             db.reset()
             source = SqlSource(db.url, "t", "tok", "id", writer=writer)
             source.start(None)
+            backend = source._conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            source._conn.commit()
+            backend_cpu, tool_cpu = tree_cpu_seconds(backend), time.thread_time()
             started = time.monotonic()
-            while (page := source.read(args.batch_size)) is not None:
-                changes = [
-                    (i, t[:-1] + ("A" if t[-1] != "A" else "B"))
-                    for i, t in enumerate(page.tokens)
-                    if t
-                ]
-                source.write([(page, changes)], lambda _c, _w: None)
+            done = False
+            while not done:
+                group = []
+                for _ in range(4):
+                    page = source.read(args.batch_size)
+                    if page is None:
+                        done = True
+                        break
+                    new = [
+                        (i, t[:-1] + ("A" if t[-1] != "A" else "B"))
+                        for i, t in enumerate(page.tokens)
+                        if t
+                    ]
+                    group.append((page, new))
+                if group:
+                    source.write(group, lambda _c, _w: None)
             seconds = time.monotonic() - started
+            tool_cpu = time.thread_time() - tool_cpu
+            backend_cpu = tree_cpu_seconds(backend) - backend_cpu
             source.close()
-            log(f"  writer {writer}: {rows / seconds:,.0f} rows/s")
-            results.append({"writer": writer, "rate": rows / seconds})
+            result = {
+                "writer": writer,
+                "rate": rows / seconds,
+                "tool_us_per_row": tool_cpu / rows * 1e6,
+                "backend_us_per_row": backend_cpu / rows * 1e6,
+            }
+            log(f"  writer {writer}: {result}")
+            results.append(result)
     finally:
         db.close()
     return results

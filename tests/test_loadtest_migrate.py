@@ -59,7 +59,7 @@ def test_migrate_benchmark_smoke(tmp_path: Path, pg_database: str) -> None:
     assert all(m["peak_rss_mb"] > 10 for m in document["memory"])
     assert {w["writer"] for w in document["writers"]} == {
         "postgresql",
-        "pg-unnest",
+        "pg-copy",
         "pg-executemany",
         "generic",
     }

@@ -264,7 +264,7 @@ WRITERS = [
     ("sqlite", "sqlite"),
     ("sqlite", "generic"),
     ("postgresql", "postgresql"),
-    ("postgresql", "pg-unnest"),
+    ("postgresql", "pg-copy"),
     ("postgresql", "pg-executemany"),
     ("postgresql", "generic"),
 ]
