@@ -10,7 +10,6 @@ still safe (see :mod:`.checkpoint`).
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from .checkpoint import CheckpointFile, Snapshot, State
 from .failures import FailureLog
 from .ids import encode_id
 from .model import FAIL_CHANGED, Counts, Kind, Outcome, Page, RunStopped
+from .sampling import Sampler
 from .service import BatchResult, Rewrapper
 from .source import Source
 
@@ -53,29 +53,6 @@ class Result:
     @property
     def rate(self) -> float:
         return self.run.rows / self.elapsed if self.elapsed > 0 else 0.0
-
-
-class _Sampler:
-    """Selection sampling (Knuth's algorithm S): each row with a token is picked with
-    probability needed / remaining, which spreads ``needed`` picks evenly over the rows."""
-
-    def __init__(self, needed: int, total: int | None) -> None:
-        self.needed = max(0, needed)
-        self.remaining = max(total or 0, self.needed)
-        self._random = random.SystemRandom()
-
-    def pick(self, page: Page) -> list[int]:
-        chosen: list[int] = []
-        if self.needed <= 0:
-            return chosen
-        for index, token in enumerate(page.tokens):
-            if token is None:
-                continue
-            if self._random.random() * max(self.remaining, 1) < self.needed:
-                chosen.append(index)
-                self.needed -= 1
-            self.remaining -= 1
-        return chosen
 
 
 Progress = Callable[[int, Counts], None]
@@ -167,7 +144,7 @@ class _Run:
         self.error: RunStopped | None = None
         self.listed: list[dict[str, Any]] = []
         verify = migration.options.verify - self.base.verified
-        self.sampler = _Sampler(verify, remaining)
+        self.sampler = Sampler(verify, remaining) if verify > 0 else None
 
     def pump(self) -> None:
         options = self.m.options
@@ -188,8 +165,7 @@ class _Run:
                         if page is None:
                             exhausted = True
                             break
-                        sample = self.sampler.pick(page)
-                        future = pool.submit(self.m.rewrapper.process, page, sample)
+                        future = pool.submit(self.m.rewrapper.process, page, self.sampler)
                         inflight.append((page, future))
                     if not inflight:
                         break

@@ -44,6 +44,7 @@ from .model import (
     Page,
     RunStopped,
 )
+from .sampling import Sampler
 
 # Item errors that may mean the key itself went away or changed state (not the row).
 _KEY_CODES = frozenset({"key_disabled", "key_not_found"})
@@ -170,7 +171,8 @@ class Rewrapper:
 
     # -- one page ---------------------------------------------------------------------------
 
-    def process(self, page: Page, verify: Sequence[int] = ()) -> BatchResult:
+    def process(self, page: Page, sampler: Sampler | None = None) -> BatchResult:
+        """The page's outcomes; with a ``sampler``, some migrated rows are verified."""
         tokens_ = page.tokens
         outcomes: list[Outcome | None] = [None] * len(tokens_)
         for index, failure in page.failures.items():
@@ -231,7 +233,11 @@ class Rewrapper:
                     outcomes[index] = self._item_failure(result)
         done: list[Outcome] = [o for o in outcomes if o is not None]
         assert len(done) == len(tokens_)
-        verified = self._verify(page, done, verify) if verify else 0
+        verified = 0
+        if sampler is not None:
+            migrated = [i for i, o in enumerate(done) if o.kind is Kind.MIGRATED]
+            sample = sampler.pick(migrated, len(done))
+            verified = self._verify(page, done, sample) if sample else 0
         return BatchResult(done, verified)
 
     def _rewrap(
