@@ -456,6 +456,7 @@ def test_production_refuses_a_remote_store_without_tls_verification(
         "master_key": "x" * 44,
         "clients_file": "clients.json",
         "keystore_url": url,
+        "tls": "off",  # the listener's TLS is not what this test is about
     }
     if refused:
         with pytest.raises(ValidationError, match="CRYPTD_KEYSTORE_URL"):
