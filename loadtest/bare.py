@@ -6,6 +6,11 @@ the HTTP server itself costs. The runner measures it with the same signing load 
 cryptd on the same CPU; cryptd's own work per request is the difference of the two.
 
     python -m loadtest.bare --port 8090
+    python -m loadtest.bare --port 8443 --tls-cert server.crt --tls-key server.key
+
+With a certificate it serves HTTPS with cryptd's own TLS context (service/edge/tls.py: the same
+versions, suites and options), so that against cryptd over TLS the only difference left is what
+cryptd does with a request.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Final
 
 BODY: Final = b'{"ciphertext":"cryptd:v1:' + b"A" * 1390 + b'","key_version":1}'
@@ -52,7 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bare", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tls-cert", type=Path, help="certificate chain (PEM): serve HTTPS")
+    parser.add_argument("--tls-key", type=Path, help="its private key (PEM)")
     args = parser.parse_args(argv)
+    tls: dict[str, Any] = {}
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        from service.edge.tls import TLSFiles, server_context
+
+        files = TLSFiles(args.tls_cert, args.tls_key)
+        tls["ssl_context_factory"] = lambda _config, _default: server_context(files)
     uvicorn.run(
         "loadtest.bare:app",
         host=args.host,
@@ -64,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level="warning",
         server_header=False,
         proxy_headers=False,
+        **tls,
     )
     return 0
 

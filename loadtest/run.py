@@ -781,11 +781,16 @@ def _fmt_ms(value: float | None) -> str:
 
 
 def update_readme(path: Path, table: str) -> None:
-    text = path.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
+    replace_section(path, README_BEGIN, README_END, table)
+
+
+def replace_section(path: Path, begin: str, end_marker: str, text: str) -> None:
+    """Put ``text`` between the ``begin`` and ``end_marker`` lines of ``path``."""
+    content = path.read_text()
+    start, end = content.find(begin), content.find(end_marker)
     if start < 0 or end < start:
-        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} section")
-    path.write_text(text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:])
+        raise SystemExit(f"{path}: no {begin} ... {end_marker} section")
+    path.write_text(content[: start + len(begin)] + "\n" + text + "\n" + content[end:])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

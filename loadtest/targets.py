@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -57,18 +58,27 @@ def pinned(command: list[str], cpus: frozenset[int] | None) -> list[str]:
     return [taskset, "-c", ",".join(str(c) for c in sorted(cpus)), *command]
 
 
-def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def _wait_ready(
+    process: subprocess.Popen[bytes], url: str, log: Path, verify: str | bool = True
+) -> None:
+    """Until ``url`` answers 200 (``verify``: the CA file of an https:// server)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"{url}: server exited:\n{_tail(log)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
+        # OSError: the server has not written its CA file yet.
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            if httpx.get(url, timeout=1, verify=_ssl(verify)).status_code == 200:
                 return
         if time.monotonic() > deadline:
             process.kill()
             raise RuntimeError(f"{url}: not ready after {STARTUP_TIMEOUT:.0f} s:\n{_tail(log)}")
         time.sleep(0.2)
+
+
+def _ssl(verify: str | bool) -> ssl.SSLContext | bool:
+    """httpx's ``verify``: a CA file as a context (httpx no longer takes a path)."""
+    return ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
 
 
 def _tail(path: Path, size: int = 3000) -> str:
@@ -134,11 +144,13 @@ class Cryptd:
     workers: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
     cpus: frozenset[int] | None = None  # pinned to these CPUs (None: anywhere)
+    tls: bool = False  # serve --dev --tls: HTTPS with the development CA's certificate
     name: str = "cryptd"
     url: str = ""
     client_id: str = ""
     secret: bytes = b""
     credentials: Path = Path()
+    ca_file: Path | None = None  # with tls: the CA that issued the server's certificate
     _process: subprocess.Popen[bytes] | None = None
     _http: httpx.Client | None = None
     _redis_pids: list[int] = field(default_factory=list)
@@ -146,7 +158,7 @@ class Cryptd:
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         env = {
             **os.environ,
             "CRYPTD_DEV_DIR": str(self.directory / "dev"),
@@ -158,7 +170,8 @@ class Cryptd:
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
                 pinned(
-                    [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)],
+                    [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)]
+                    + (["--tls"] if self.tls else []),
                     self.cpus,
                 ),
                 cwd=self.directory,
@@ -167,12 +180,14 @@ class Cryptd:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C of the runner reaches it through stop()
             )
-        _wait_ready(self._process, self.url + "/readyz", log)
+        self.ca_file = self.directory / "dev" / "tls" / "ca.crt" if self.tls else None
+        verify = str(self.ca_file) if self.ca_file else True
+        _wait_ready(self._process, self.url + "/readyz", log, verify)
         self.credentials = self.directory / "dev" / "client.json"
         credential = orjson.loads(self.credentials.read_bytes())
         self.client_id = credential["client_id"]
         self.secret = base64.b64decode(credential["secret"])
-        self._http = httpx.Client(base_url=self.url, timeout=30)
+        self._http = httpx.Client(base_url=self.url, timeout=30, verify=_ssl(verify))
         redis_url = self.env.get("CRYPTD_REDIS_URL")
         self._redis_pids = [redis_pid(redis_url)] if redis_url else []
 
@@ -185,6 +200,14 @@ class Cryptd:
     @property
     def pids(self) -> list[int]:
         return [self.pid, *self._redis_pids]
+
+    @property
+    def tls_files(self) -> tuple[Path, Path]:
+        """With tls: the server's certificate and key (the bare-ASGI ceiling takes the same)."""
+        if not self.tls:
+            raise RuntimeError("not a TLS server")
+        tls = self.directory / "dev" / "tls"
+        return tls / "server.crt", tls / "server.key"
 
     def request(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
         if self._http is None:
@@ -236,22 +259,32 @@ def find_bao() -> str:
 @dataclass
 class OpenBao:
     """``bao server -dev`` (in memory) on a free loopback port with Transit and the keys of
-    :data:`~loadtest.scenarios.OPENBAO_KEYS`."""
+    :data:`~loadtest.scenarios.OPENBAO_KEYS`; with ``tls``, ``-dev-tls``: OpenBao's own HTTPS
+    listener with the CA, certificate and key it generates in ``directory/tls``."""
 
     directory: Path
     cpus: frozenset[int] | None = None  # pinned to these CPUs, GOMAXPROCS = their number
+    tls: bool = False
     name: str = "openbao"
     url: str = ""
     token: str = OPENBAO_TOKEN
+    ca_file: Path | None = None  # with tls: OpenBao's development CA
     _process: subprocess.Popen[bytes] | None = None
     _http: httpx.Client | None = None
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         port = free_port(pair=True)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         log = self.directory / "openbao.log"
         env = {**os.environ, "HOME": str(self.directory), "BAO_ADDR": self.url}
+        tls_options: list[str] = []
+        if self.tls:
+            cert_dir = self.directory / "tls"
+            cert_dir.mkdir(exist_ok=True)
+            tls_options = ["-dev-tls", f"-dev-tls-cert-dir={cert_dir}"]
+            self.ca_file = cert_dir / "vault-ca.pem"
+            env["BAO_CACERT"] = str(self.ca_file)
         if self.cpus:
             env["GOMAXPROCS"] = str(len(self.cpus))
         with open(log, "ab") as out:
@@ -264,6 +297,7 @@ class OpenBao:
                         f"-dev-root-token-id={self.token}",
                         f"-dev-listen-address=127.0.0.1:{port}",
                         "-dev-no-store-token",
+                        *tls_options,
                     ],
                     self.cpus,
                 ),
@@ -273,9 +307,13 @@ class OpenBao:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _wait_ready(self._process, self.url + "/v1/sys/health", log)
+        verify = str(self.ca_file) if self.ca_file else True
+        _wait_ready(self._process, self.url + "/v1/sys/health", log, verify)
         self._http = httpx.Client(
-            base_url=self.url, timeout=30, headers={"X-Vault-Token": self.token}
+            base_url=self.url,
+            timeout=30,
+            headers={"X-Vault-Token": self.token},
+            verify=_ssl(verify),
         )
         self._write("/v1/sys/mounts/transit", {"type": "transit"})
         for key, key_type in OPENBAO_KEYS.items():
@@ -313,10 +351,13 @@ class OpenBao:
 @dataclass
 class Bare:
     """The HTTP ceiling (loadtest/bare.py): uvicorn + uvloop + httptools answering a fixed body,
-    on the same CPUs as the servers."""
+    on the same CPUs as the servers; with ``tls`` (certificate, key), HTTPS under cryptd's TLS
+    policy."""
 
     directory: Path
     cpus: frozenset[int] | None = None
+    tls: tuple[Path, Path] | None = None
+    ca_file: Path | None = None  # with tls: the CA to verify it with at start
     name: str = "bare"
     url: str = ""
     _process: subprocess.Popen[bytes] | None = None
@@ -324,17 +365,21 @@ class Bare:
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         log = self.directory / "bare.log"
+        command = [sys.executable, "-m", "loadtest.bare", "--port", str(port)]
+        if self.tls is not None:
+            command += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
-                pinned([sys.executable, "-m", "loadtest.bare", "--port", str(port)], self.cpus),
+                pinned(command, self.cpus),
                 cwd=Path(__file__).resolve().parent.parent,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _wait_ready(self._process, self.url + "/", log)
+        verify: str | bool = str(self.ca_file) if self.ca_file else self.tls is None
+        _wait_ready(self._process, self.url + "/", log, verify)
 
     @property
     def pid(self) -> int:

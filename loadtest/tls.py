@@ -1,0 +1,505 @@
+"""TLS on against off in one run: cryptd, the bare-ASGI ceiling and OpenBao, each plain and over
+its own TLS, alternating, on the runner's pinned topology.
+
+    python -m loadtest.tls                                        # 10 s x 3 rounds per target
+    python -m loadtest.tls --update-readme --update-performance   # and rewrite the docs' tables
+    python -m loadtest.tls --quick                                # smoke run
+
+Six servers run side by side on the server CPUs: cryptd plain and cryptd over TLS (``cryptd serve
+--dev`` and ``--dev --tls``, each in its own directory; signing, metrics and the audit log on),
+the bare-ASGI app plain and over TLS with cryptd's certificate and TLS context
+(loadtest/bare.py), and OpenBao plain and with its own TLS (``bao server -dev -dev-tls``). wrk
+drives them with keep-alive connections (a handshake per connection, then requests on it), as
+clients talk to a service. Two questions, answered from the same run:
+
+- the hot path: TLS must cost cryptd no more server CPU per request than it costs the bare app
+  answering the same requests (AES-GCM encrypt 1 KiB, the ceiling scenario);
+- against OpenBao: cryptd's throughput ratio with TLS on both sides is no worse than without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import shutil
+import socket
+import ssl
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import orjson
+
+from loadtest.measure import Measurement, find_wrk
+from loadtest.report import Summary, summarize
+from loadtest.run import (
+    CALIBRATION_DEFAULT,
+    CEILING_SCENARIO,
+    RESULTS_DIR,
+    AnyTarget,
+    Plan,
+    Prepared,
+    _extra_env,
+    describe,
+    log,
+    machine,
+    make_topology,
+    measure,
+    prepare,
+    quietly,
+    replace_section,
+)
+from loadtest.scenarios import BY_NAME, SCENARIOS
+from loadtest.targets import Bare, Cryptd, OpenBao
+
+DOCS_BEGIN: Final = "<!-- loadtest.tls: begin -->"
+DOCS_END: Final = "<!-- loadtest.tls: end -->"
+ROOT: Final = Path(__file__).resolve().parent.parent
+KINDS: Final = ("cryptd", "bare", "openbao")
+LABELS: Final = {"cryptd": "cryptd", "bare": "bare ASGI", "openbao": "OpenBao"}
+
+
+def label(kind: str, tls: bool) -> str:
+    return f"{kind}-{'tls' if tls else 'plain'}"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One server's figures on one scenario, plain and over TLS."""
+
+    plain: Summary
+    tls: Summary
+    cores: int
+
+    @property
+    def tls_ratio(self) -> float | None:
+        """Throughput over TLS as a fraction of plain."""
+        return self.tls.ops / self.plain.ops if self.plain.ops else None
+
+    @property
+    def added_us(self) -> float | None:
+        """Server CPU per request that TLS adds."""
+        on, off = self.tls.server_cpu_per_request_us, self.plain.server_cpu_per_request_us
+        return None if on is None or off is None else on - off
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plain": self.plain.to_json(),
+            "tls": self.tls.to_json(),
+            "tls_ratio": self.tls_ratio,
+            "added_us": self.added_us,
+        }
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    scenario: str
+    title: str
+    pairs: Mapping[str, Pair]  # by kind; "bare" only on the ceiling scenario
+
+    def ratio(self, tls: bool) -> float | None:
+        """cryptd's throughput over OpenBao's, both plain or both over TLS."""
+        cryptd, bao = self.pairs.get("cryptd"), self.pairs.get("openbao")
+        if cryptd is None or bao is None:
+            return None
+        ours, theirs = (cryptd.tls, bao.tls) if tls else (cryptd.plain, bao.plain)
+        return ours.ops / theirs.ops if theirs.ops else None
+
+    def goals(self) -> dict[str, bool]:
+        """``openbao``: the ratio with TLS on both sides is no worse than without; ``hot_path``
+        (with the ceiling): TLS adds no more server CPU per request to cryptd than to the bare
+        app; ``no_errors``: cryptd answered every request, plain and over TLS."""
+        goals: dict[str, bool] = {}
+        plain, tls = self.ratio(False), self.ratio(True)
+        if plain is not None and tls is not None:
+            goals["openbao"] = tls >= plain
+        cryptd, bare = self.pairs.get("cryptd"), self.pairs.get("bare")
+        if cryptd is not None and bare is not None:
+            ours, theirs = cryptd.added_us, bare.added_us
+            if ours is not None and theirs is not None:
+                goals["hot_path"] = ours <= theirs
+        if cryptd is not None:
+            goals["no_errors"] = cryptd.plain.errors == 0 and cryptd.tls.errors == 0
+        return goals
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "title": self.title,
+            "pairs": {kind: pair.to_json() for kind, pair in self.pairs.items()},
+            "ratio_plain": self.ratio(False),
+            "ratio_tls": self.ratio(True),
+            "goals": self.goals(),
+        }
+
+
+def negotiated(url: str) -> str:
+    """The TLS version and suite a client with this machine's OpenSSL gets from ``url`` (an
+    observation for the report: the certificate is not checked here)."""
+    parts = urlsplit(url)
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with (
+        socket.create_connection((parts.hostname, parts.port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=parts.hostname) as sock,
+    ):
+        cipher = sock.cipher()
+        return f"{sock.version()} {cipher[0] if cipher else '?'}"
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def run_rounds(
+    targets: Mapping[str, AnyTarget],
+    prepared: Mapping[str, Prepared],
+    signers: Mapping[str, Cryptd],
+    plan: Plan,
+) -> dict[str, dict[str, list[Measurement]]]:
+    """Every scenario against every target that runs it, each server's plain and TLS targets
+    side by side, the order reversed round by round."""
+
+    def labels_of(name: str) -> list[str]:
+        chosen = []
+        for kind in KINDS:
+            if kind == "bare" and name != CEILING_SCENARIO:
+                continue
+            for tls in (False, True):
+                key = label(kind, tls)
+                if key in targets and (prepared_name(kind), name) in bodies(key).files:
+                    chosen.append(key)
+        return chosen
+
+    def bodies(key: str) -> Prepared:
+        # The bare app gets the requests of the cryptd it stands beside, signed as for it.
+        return prepared[label("cryptd", key.endswith("-tls")) if key.startswith("bare") else key]
+
+    def once(key: str, name: str, duration: float) -> Measurement:
+        return measure(
+            targets[key], BY_NAME[name], bodies(key), plan, duration, signer=signers.get(key)
+        )
+
+    runs: dict[str, dict[str, list[Measurement]]] = {name: {} for name in plan.scenarios}
+    log("warm-up")
+    for name in plan.scenarios:
+        for key in labels_of(name):
+            once(key, name, plan.warmup)
+    for round_no in range(plan.rounds):
+        for name in plan.scenarios:
+            chosen = labels_of(name)
+            for key in chosen if round_no % 2 == 0 else chosen[::-1]:
+                m = quietly(plan, partial(once, key, name, plan.duration))
+                runs[name].setdefault(key, []).append(m)
+                log(f"round {round_no + 1}/{plan.rounds} {name} {key}: {describe(m)}")
+    return runs
+
+
+def prepared_name(kind: str) -> str:
+    """The target name bodies are prepared under (the bare app gets cryptd's)."""
+    return "openbao" if kind == "openbao" else "cryptd"
+
+
+def results(
+    runs: Mapping[str, Mapping[str, Sequence[Measurement]]], cores: int
+) -> list[ScenarioResult]:
+    out = []
+    for name, by_label in runs.items():
+        pairs = {}
+        for kind in KINDS:
+            plain, tls = by_label.get(label(kind, False)), by_label.get(label(kind, True))
+            if plain and tls:
+                pairs[kind] = Pair(summarize(plain, cores), summarize(tls, cores), cores)
+        out.append(ScenarioResult(name, BY_NAME[name].title, pairs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def hot_path_table(result: ScenarioResult) -> str:
+    rows = [
+        "| server | plain req/s per server core | TLS req/s per server core | TLS / plain "
+        "| server CPU us/request plain / TLS | TLS adds us/request | P99 ms plain / TLS "
+        "| errors plain / TLS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in ("bare", "cryptd"):
+        pair = result.pairs.get(kind)
+        if pair is None:
+            continue
+        rows.append(
+            f"| {LABELS[kind]} | {_num(pair.plain.rps / pair.cores)} "
+            f"| {_num(pair.tls.rps / pair.cores)} | {_x(pair.tls_ratio)} "
+            f"| {_num(pair.plain.server_cpu_per_request_us)} / "
+            f"{_num(pair.tls.server_cpu_per_request_us)} | {_num(pair.added_us, 1)} "
+            f"| {pair.plain.p99_ms:.2f} / {pair.tls.p99_ms:.2f} "
+            f"| {pair.plain.errors} / {pair.tls.errors} |"
+        )
+    return "\n".join(rows)
+
+
+def openbao_table(found: Sequence[ScenarioResult]) -> str:
+    rows = [
+        "| scenario | cryptd plain | OpenBao plain | ratio plain | cryptd TLS | OpenBao TLS "
+        "| ratio TLS | TLS / plain: cryptd, OpenBao | P99 ms TLS: cryptd / OpenBao "
+        "| errors (c/o, plain + TLS) | goals |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in found:
+        cryptd, bao = result.pairs.get("cryptd"), result.pairs.get("openbao")
+        if cryptd is None or bao is None:
+            continue
+        goals = result.goals()
+        failed = [k for k, ok in goals.items() if not ok and k != "hot_path"]
+        verdict = "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"
+        per_core = cryptd.cores
+        rows.append(
+            f"| {result.title} | {_num(cryptd.plain.ops / per_core)} "
+            f"| {_num(bao.plain.ops / per_core)} | {_x(result.ratio(False))} "
+            f"| {_num(cryptd.tls.ops / per_core)} | {_num(bao.tls.ops / per_core)} "
+            f"| {_x(result.ratio(True))} | {_x(cryptd.tls_ratio)}, {_x(bao.tls_ratio)} "
+            f"| {cryptd.tls.p99_ms:.2f} / {bao.tls.p99_ms:.2f} "
+            f"| {cryptd.plain.errors + cryptd.tls.errors} / {bao.plain.errors + bao.tls.errors} "
+            f"| {verdict} |"
+        )
+    return "\n".join(rows)
+
+
+def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
+    """The docs' section: what ran, the hot-path table and the OpenBao table."""
+    cfg, tls = result["config"], result["tls"]
+    lines = [
+        f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
+        f"load average {' '.join(result['machine']['loadavg'])} at start), wrk "
+        f"-t{cfg['threads']} -c{cfg['connections']} on keep-alive connections, "
+        f"{cfg['duration']:.0f} s x {cfg['rounds']} round(s), medians; cryptd with "
+        f"{cfg['workers']} worker(s), signing, metrics and audit on. TLS negotiated: cryptd "
+        f"{tls.get('cryptd', '-')}, bare ASGI {tls.get('bare', '-')} (cryptd's certificate and "
+        f"TLS context), OpenBao {tls.get('openbao', '-')} (`-dev-tls`, its own certificate). "
+        f"Reproduced by `{cfg['command']}`.",
+    ]
+    ceiling = next((r for r in found if "bare" in r.pairs), None)
+    if ceiling is not None:
+        ok = ceiling.goals().get("hot_path")
+        lines += [
+            "",
+            f"{ceiling.title}: TLS against plain, cryptd beside the bare-ASGI app (same "
+            "requests, same certificate, same core):",
+            "",
+            hot_path_table(ceiling),
+            "",
+            "Goal (TLS adds no more server CPU per request to cryptd than to the bare app): "
+            + _verdict(ok),
+        ]
+    if any("openbao" in r.pairs for r in found):
+        lines += [
+            "",
+            "cryptd against OpenBao, ops/s per server core, both plain and both over TLS:",
+            "",
+            openbao_table(found),
+            "",
+            "Goal (cryptd's ratio with TLS on both sides no worse than without; no errors): "
+            + _verdict(all(ok for r in found for k, ok in r.goals().items() if k != "hot_path")),
+        ]
+    return "\n".join(lines)
+
+
+def render(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
+    m = result["machine"]
+    return "\n".join(
+        [
+            f"# TLS on against off ({result['started']})",
+            "",
+            f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python "
+            f"{m['python']}, {m['openbao']}, {m['wrk']}.",
+            "",
+            summary(result, found),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.tls", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run (3 s, 1 round)")
+    parser.add_argument("--duration", type=float, help="seconds per measurement (10; quick 3)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (3; quick 1)")
+    parser.add_argument("--connections", type=int, default=16, help="wrk connections (16)")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
+    parser.add_argument(
+        "--scenarios",
+        help="comma-separated scenarios (default: every one OpenBao runs too; the bare-ASGI "
+        f"ceiling is measured beside {CEILING_SCENARIO})",
+    )
+    parser.add_argument("--shared-cores", action="store_true", help="do not pin (see loadtest.run)")
+    parser.add_argument("--client-cpus", help="CPUs of the load generator, e.g. 0")
+    parser.add_argument("--server-cpus", help="CPUs of every server, e.g. 1")
+    parser.add_argument("--workers", type=int, default=1, help="cryptd server workers (1)")
+    parser.add_argument(
+        "--cryptd-env", action="append", default=[], metavar="NAME=VALUE",
+        help="extra environment for both cryptd servers (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--no-openbao", action="store_true", help="cryptd and the bare app only")
+    parser.add_argument(
+        "--quiet", type=float, default=0.25,
+        help="wait until other processes use at most this many cores (0.25; 0 = never wait)",
+    )  # fmt: skip
+    parser.add_argument("--quiet-wait", type=float, default=120.0, help="longest wait, s (120)")
+    parser.add_argument("--json", type=Path, help="JSON output (default loadtest/results/...)")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument(
+        "--update-readme", type=Path, nargs="?", const=ROOT / "README.md",
+        help="rewrite the TLS section of README.md (or of FILE)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--update-performance", type=Path, nargs="?", const=ROOT / "docs" / "PERFORMANCE.md",
+        help="rewrite the TLS section of docs/PERFORMANCE.md (or of FILE)",
+    )  # fmt: skip
+    parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    return parser.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    chosen = tuple(args.scenarios.split(",")) if args.scenarios else CALIBRATION_DEFAULT
+    unknown = [name for name in chosen if name not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
+    quick = args.quick
+    return Plan(
+        duration=args.duration or (3.0 if quick else 10.0),
+        rounds=args.rounds or (1 if quick else 3),
+        warmup=1.0 if quick else 2.0,
+        connections=args.connections,
+        threads=args.threads,
+        case_rate=0.0,
+        case_duration=0.0,
+        calibration=0.0,
+        calibration_scenarios=(),
+        scenarios=tuple(s.name for s in SCENARIOS if s.name in chosen),
+        quiet_threshold=args.quiet,
+        quiet_wait=args.quiet_wait if args.quiet > 0 else 0.0,
+        topology=make_topology(args),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    args = parse_args(argv)
+    plan = make_plan(args)
+    if find_wrk() is None:
+        print("wrk is not installed: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    topology = plan.topology
+    if topology.pinned:
+        os.sched_setaffinity(0, topology.client)
+    cpus = topology.server_cpus
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-tls-"))
+    extra = _extra_env(args.cryptd_env)
+    result: dict[str, Any] = {"started": started, "machine": machine()}
+    log(f"working directory {workdir}; {topology.summary()}")
+    try:
+        with contextlib.ExitStack() as stack:
+            targets: dict[str, AnyTarget] = {}
+            cryptds: dict[bool, Cryptd] = {}
+            for tls in (False, True):
+                cryptd = Cryptd(workdir / label("cryptd", tls), args.workers, extra, cpus, tls)
+                stack.callback(cryptd.stop)
+                cryptd.start()
+                cryptds[tls] = targets[label("cryptd", tls)] = cryptd
+                log(f"cryptd at {cryptd.url}")
+            bare_plain = Bare(workdir / "bare-plain", cpus)
+            bare_tls = Bare(
+                workdir / "bare-tls", cpus, cryptds[True].tls_files, cryptds[True].ca_file
+            )
+            if CEILING_SCENARIO in plan.scenarios:
+                for key, bare in (("bare-plain", bare_plain), ("bare-tls", bare_tls)):
+                    stack.callback(bare.stop)
+                    bare.start()
+                    targets[key] = bare
+                    log(f"bare-ASGI app at {bare.url}")
+            if not args.no_openbao:
+                for tls in (False, True):
+                    bao = OpenBao(workdir / label("openbao", tls), cpus, tls)
+                    stack.callback(bao.stop)
+                    bao.start()
+                    targets[label("openbao", tls)] = bao
+                    log(f"OpenBao at {bao.url}")
+            scenarios = [BY_NAME[name] for name in plan.scenarios]
+            prepared = {
+                key: prepare([target], scenarios, workdir / "bodies" / key)
+                for key, target in targets.items()
+                if not isinstance(target, Bare)
+            }
+            signers = {"bare-plain": cryptds[False], "bare-tls": cryptds[True]}
+            result["tls"] = {
+                kind: negotiated(targets[label(kind, True)].url)
+                for kind in KINDS
+                if label(kind, True) in targets
+            }
+            result["config"] = {
+                **asdict(plan),
+                "topology": topology.summary(),
+                "server_cores": topology.server_cores,
+                "command": "python -m loadtest.tls"
+                + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
+                "workers": args.workers,
+                "cryptd_env": extra,
+            }
+            runs = run_rounds(targets, prepared, signers, plan)
+            found = results(runs, topology.server_cores)
+            result["runs"] = {
+                name: {key: [m.to_json() for m in ms] for key, ms in by_label.items()}
+                for name, by_label in runs.items()
+            }
+            result["results"] = [r.to_json() for r in found]
+        result["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        text = render(result, found)
+        print(text)
+        out = args.json or RESULTS_DIR / f"tls-{started.replace(':', '')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        for path in (args.update_readme, args.update_performance):
+            if path is not None:
+                replace_section(path, DOCS_BEGIN, DOCS_END, summary(result, found))
+                log(f"updated {path}")
+        log(f"results: {out}")
+    finally:
+        if args.keep:
+            log(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

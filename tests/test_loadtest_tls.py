@@ -1,0 +1,150 @@
+"""The TLS comparison (``python -m loadtest.tls``): its goals at their boundaries, the docs'
+markers it fills, and one short run against every server plain and over TLS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from loadtest import tls
+from loadtest.measure import Measurement
+from loadtest.report import summarize
+from loadtest.targets import find_bao
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _m(rps: float, cpu_us: float, errors: int = 0) -> Measurement:
+    requests = round(rps * 10)
+    return Measurement(
+        requests=requests,
+        seconds=10.0,
+        errors=errors,
+        p50_ms=1.0,
+        p99_ms=4.0,
+        mean_ms=1.5,
+        max_ms=9.0,
+        server_cpu_s=requests * cpu_us / 1e6,
+    )
+
+
+def _pair(plain: Measurement, on: Measurement) -> tls.Pair:
+    return tls.Pair(summarize([plain], 1), summarize([on], 1), 1)
+
+
+def test_pair_reports_the_throughput_kept_and_the_cpu_added() -> None:
+    pair = _pair(_m(4000, 150), _m(3000, 170))
+    assert pair.tls_ratio == pytest.approx(0.75)
+    assert pair.added_us == pytest.approx(20)
+
+
+@pytest.mark.parametrize(
+    ("cryptd_tls_us", "bao_tls_rps", "expected"),
+    [
+        (170.0, 2000.0, {"openbao": True, "hot_path": True, "no_errors": True}),  # both equal
+        (170.1, 2000.0, {"openbao": True, "hot_path": False, "no_errors": True}),
+        (170.0, 2001.0, {"openbao": False, "hot_path": True, "no_errors": True}),
+    ],
+)
+def test_goals_at_their_boundaries(
+    cryptd_tls_us: float, bao_tls_rps: float, expected: dict[str, bool]
+) -> None:
+    # cryptd 4,000 -> 3,000 req/s (ratio 2.0 -> 1.5 against OpenBao 2,000 -> 2,000 * 0.75);
+    # TLS adds 20 us to the bare app's request and, at 170 us, 20 us to cryptd's.
+    result = tls.ScenarioResult(
+        "aes-encrypt",
+        "AES",
+        {
+            "cryptd": _pair(_m(4000, 150), _m(3000, cryptd_tls_us)),
+            "bare": _pair(_m(20000, 40), _m(15000, 60)),
+            "openbao": _pair(_m(2000, 300), _m(bao_tls_rps * 0.75, 330)),
+        },
+    )
+    assert result.ratio(False) == pytest.approx(2.0)
+    assert result.goals() == expected
+    table = tls.openbao_table([result])
+    assert ("| PASS |" in table) == expected["openbao"]
+    assert "| bare ASGI |" in tls.hot_path_table(result)
+
+
+def test_errors_fail_the_run_and_a_scenario_without_openbao_has_no_ratio() -> None:
+    result = tls.ScenarioResult(
+        "sm2-sign", "SM2", {"cryptd": _pair(_m(1000, 900), _m(990, 905, errors=1))}
+    )
+    assert result.ratio(True) is None
+    assert result.goals() == {"no_errors": False}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/PERFORMANCE.md"])
+def test_the_docs_carry_the_section_the_runner_fills(doc: str, tmp_path: Path) -> None:
+    text = (ROOT / doc).read_text()
+    assert text.count(tls.DOCS_BEGIN) == 1
+    assert text.count(tls.DOCS_END) == 1
+    copy = tmp_path / "doc.md"
+    copy.write_text(text)
+    tls.replace_section(copy, tls.DOCS_BEGIN, tls.DOCS_END, "FIGURES")
+    updated = copy.read_text()
+    assert f"{tls.DOCS_BEGIN}\nFIGURES\n{tls.DOCS_END}" in updated
+    # Everything outside the markers is kept.
+    assert updated.split(tls.DOCS_BEGIN)[0] == text.split(tls.DOCS_BEGIN)[0]
+    assert updated.split(tls.DOCS_END)[1] == text.split(tls.DOCS_END)[1]
+
+
+def test_plan_takes_every_scenario_openbao_runs_by_default() -> None:
+    plan = tls.make_plan(tls.parse_args(["--shared-cores"]))
+    assert "aes-encrypt" in plan.scenarios
+    assert "sm2-sign" not in plan.scenarios
+    with pytest.raises(SystemExit):
+        tls.make_plan(tls.parse_args(["--shared-cores", "--scenarios", "nope"]))
+
+
+@pytest.mark.slow
+def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> None:
+    if shutil.which("wrk") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("wrk is required under CI (apt-get install -y wrk luajit)")
+        pytest.skip("wrk is not installed (apt-get install -y wrk luajit)")
+    try:
+        find_bao()
+    except RuntimeError:
+        pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
+    out, readme, performance = tmp_path / "result.json", tmp_path / "R.md", tmp_path / "P.md"
+    shutil.copy(ROOT / "README.md", readme)
+    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", performance)
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.tls", "--quick", "--duration", "1",
+         "--scenarios", "aes-encrypt", "--connections", "2", "--quiet", "0",
+         "--json", str(out), "--update-readme", str(readme),
+         "--update-performance", str(performance)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = orjson.loads(out.read_bytes())
+    # Every server answered over TLS 1.3 (wrk speaks https) and in clear text, without errors:
+    # cryptd's signed requests verified over both, OpenBao with its own -dev-tls listener.
+    assert set(result["tls"]) == {"cryptd", "bare", "openbao"}
+    assert all(v.startswith("TLSv1.3 ") for v in result["tls"].values())
+    # The bare app uses cryptd's TLS context: the same suite.
+    assert result["tls"]["bare"] == result["tls"]["cryptd"]
+    runs = result["runs"]["aes-encrypt"]
+    assert set(runs) == {
+        f"{kind}-{mode}" for kind in ("cryptd", "bare", "openbao") for mode in ("plain", "tls")
+    }
+    for key, (m,) in runs.items():
+        assert m["requests"] > 0, key
+        assert m["errors"] == 0, key
+        assert m["server_cpu_s"] > 0, key
+    (row,) = result["results"]
+    assert set(row["pairs"]) == {"cryptd", "bare", "openbao"}
+    assert set(row["goals"]) == {"openbao", "hot_path", "no_errors"}
+    for doc in (readme, performance):
+        section = doc.read_text().split(tls.DOCS_BEGIN)[1].split(tls.DOCS_END)[0]
+        assert "| bare ASGI |" in section
+        assert "| AES-256-GCM encrypt 1 KiB |" in section
+        assert "python -m loadtest.tls --quick" in section
