@@ -23,8 +23,9 @@ from service import __version__
 from service.api import docs, errors
 from service.api.deps import ReadinessCheck, Services
 from service.api.dispatch import CryptoDispatch
-from service.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from service.api.middleware import BodyLimitMiddleware, HeadAsGet, RequestIdMiddleware
 from service.api.routes import crypto, health, keys, random, transfer
+from service.api.spec import allowed_methods
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.setup import build_auth
@@ -218,7 +219,7 @@ def create_app(
         # Every request but the crypto operations: the edge layers as ASGI middleware, built
         # inside out (the metrics see every request first), then FastAPI's stack.
         authenticator = SignatureAuthMiddleware(
-            fastapi_stack,
+            HeadAsGet(fastapi_stack, lambda path: "GET" in allowed_methods(path)),
             registry_provider=auth.clients,
             replay=auth.replay,
             rate_limiter=auth.rate_limiter,

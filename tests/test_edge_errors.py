@@ -162,6 +162,64 @@ def test_allow_lists_every_method_of_the_path(server: Server, path: str, methods
     assert_error(response, 405, "method_not_allowed")
     listed = set(response.headers["allow"].split(", "))
     assert listed - {"HEAD"} == set(methods.split(", "))
+    # HEAD is listed exactly where GET is, and answered there (below).
+    assert ("HEAD" in listed) == ("GET" in listed)
+
+
+@pytest.mark.parametrize(
+    ("path", "signed"),
+    [
+        ("/healthz", False),
+        ("/readyz", False),
+        ("/metrics", False),
+        ("/v1/keys", True),
+        ("/v1/keys/aes256-gcm", True),
+        ("/v1/keys/wrapping-key", True),
+        ("/v1/keys/aes256-gcm/backup", True),
+    ],
+)
+def test_head_is_the_get_without_its_body(server: Server, path: str, signed: bool) -> None:
+    get = server.request("GET", path, sign=signed)
+    head = server.request("HEAD", path, sign=signed)  # signed as HEAD
+    assert get.status_code == 200, get.text
+    assert head.status_code == 200
+    assert head.content == b""
+    # RFC 9110 9.3.2: the header fields the GET would send, its Content-Length included.
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path != "/metrics":  # the exposition changes between two scrapes
+        assert int(head.headers["content-length"]) == len(get.content)
+    assert head.headers["x-request-id"]
+
+
+def test_every_path_that_lists_head_answers_it(server: Server) -> None:
+    from service.api.spec import ROUTES, allowed_methods
+
+    for route in ROUTES:
+        path = route.path.replace("{key}", "aes256-gcm")
+        head = server.request("HEAD", path, sign=route.signed)
+        if "HEAD" in allowed_methods(path):
+            assert head.status_code == 200, path
+        else:
+            assert head.status_code == 405, path
+            assert "HEAD" not in head.headers["allow"]
+            assert "GET" not in head.headers["allow"]
+
+
+def test_head_is_verified_as_sent_and_authorised_as_get(server: Server) -> None:
+    path = "/v1/keys/aes256-gcm"
+    # A GET's signature does not authenticate a HEAD (the method is covered)...
+    as_get = sign_request("GET", path, "", b"", server.client_id, server.secret)
+    refused = server.request("HEAD", path, headers=as_get, sign=False)
+    assert refused.status_code == 401
+    assert refused.content == b""
+    # ... nor does no signature at all.
+    assert server.request("HEAD", path, sign=False).status_code == 401
+    # Unknown key: the GET's 404, without its body.
+    missing = server.request("HEAD", "/v1/keys/no-such-key")
+    assert missing.status_code == 404
+    assert missing.content == b""
+    # A bad key name: the GET's 400.
+    assert server.request("HEAD", "/v1/keys/a%2Fb").status_code == 400
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,9 @@ def build_document() -> dict[str, Any]:
             "Every `/v1/` request is signed (see the Signature security scheme). Errors have "
             'one shape: `{"error": {"code", "message"}}`. Every response carries '
             "`X-Request-ID` (echoed when the request sent a sane one). A known route called "
-            "with another method answers 405 `method_not_allowed` with `Allow`; an unknown "
+            "with another method answers 405 `method_not_allowed` with `Allow`; every GET "
+            "operation also answers HEAD (the same status and header fields, no body; a "
+            "signed HEAD is signed with `@method` HEAD); an unknown "
             "route 404 `not_found`; a body that is not `application/json` may be refused.",
         },
         "paths": paths,
