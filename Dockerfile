@@ -3,10 +3,13 @@
 # cryptd container image.
 #
 # Stage "build" turns the project and every runtime dependency into wheels (versions pinned by
-# docker/constraints.txt, binary wheels only: no compiler enters either stage). Stage "runtime"
-# installs those wheels offline into the same pinned base, removes pip, and runs as a non-root
-# numeric user. The runtime needs no writable path outside the volumes the deployment mounts:
-# /tmp and PROMETHEUS_MULTIPROC_DIR (see docs/DEPLOY.md for `docker run --read-only`).
+# docker/constraints.txt, binary wheels only: no compiler enters either stage), the
+# "postgresql" extra included (psycopg with its bundled libpq: the key store that
+# k8s/postgresql selects with CRYPTD_KEYSTORE_URL; docker/update_constraints.py pins the same
+# extras, IMAGE_EXTRAS). Stage "runtime" installs those wheels offline into the same pinned
+# base, removes pip, and runs as a non-root numeric user. The runtime needs no writable path
+# outside the volumes the deployment mounts: /tmp and PROMETHEUS_MULTIPROC_DIR (see
+# docs/DEPLOY.md for `docker run --read-only`).
 #
 # Base: python:3.11.16-slim-bookworm, pinned by tag (readable) and by the digest of its
 # multi-architecture index (immutable). Debian bookworm's libssl3 (OpenSSL 3.0) has SM2, which
@@ -35,7 +38,7 @@ COPY client/cryptd_client/ client/cryptd_client/
 RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=ca-certificates,target=/etc/ssl/certs/ca-certificates.crt,required=false \
     python -m pip wheel --wheel-dir /wheels --only-binary=:all: \
-        --constraint docker/constraints.txt . \
+        --constraint docker/constraints.txt '.[postgresql]' \
     && ls /wheels/cryptd-*.whl
 
 
@@ -50,17 +53,20 @@ RUN groupadd --system --gid 10001 cryptd \
     && useradd --system --uid 10001 --gid 10001 --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin cryptd
 
-# Offline install from the build stage's wheels. pip compiles the .pyc files here, at build
+# Offline install from the build stage's wheels: the project's wheel with its "postgresql"
+# extra, every dependency from the same directory. pip compiles the .pyc files here, at build
 # time, so nothing needs writing at run time; then pip, setuptools and wheel leave the image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir --no-index --root-user-action=ignore \
-        --find-links=/wheels /wheels/cryptd-*.whl \
+        --find-links=/wheels "$(ls /wheels/cryptd-*.whl)[postgresql]" \
     && python -m pip uninstall --yes --root-user-action=ignore pip setuptools wheel
 
 COPY --chmod=0555 docker/entrypoint.sh /usr/local/bin/cryptd-entrypoint
 COPY --chmod=0444 docker/healthcheck.py docker/check_libcrypto.py /usr/local/lib/cryptd/
 
+# SM2 in the base's libcrypto; psycopg's own libpq (the binary wheel's, not the base's) loads.
 RUN python /usr/local/lib/cryptd/check_libcrypto.py \
+    && python -c "import psycopg; assert psycopg.pq.__impl__ == 'binary', psycopg.pq.__impl__" \
     && cryptd --help > /dev/null \
     && install --directory --owner=10001 --group=10001 --mode=0750 /run/cryptd/metrics
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -147,6 +148,19 @@ def test_wheels_are_built_in_the_first_stage_and_installed_offline(dockerfile: s
     assert "--no-index" in runtime_runs
     assert re.search(r"pip uninstall --yes( --\S+)* pip setuptools wheel", runtime_runs)
     assert not any(keyword == "ADD" for keyword, _ in runtime)
+
+
+def test_the_image_installs_the_extras_its_constraints_pin(dockerfile: str) -> None:
+    # docker/update_constraints.py pins the closure of IMAGE_EXTRAS: the Dockerfile builds and
+    # installs exactly those extras (postgresql: the k8s/postgresql key store).
+    lock = _module(ROOT / "docker" / "update_constraints.py")
+    assert "postgresql" in lock.IMAGE_EXTRAS
+    extras = "[" + ",".join(lock.IMAGE_EXTRAS) + "]"
+    build, *_, runtime = stages(dockerfile)
+    wheel_step = next(args for keyword, args in build if keyword == "RUN" and "pip wheel" in args)
+    assert f"--constraint docker/constraints.txt '.{extras}'" in wheel_step
+    install_step = next(a for k, a in runtime if k == "RUN" and "pip install" in a)
+    assert f'"$(ls /wheels/cryptd-*.whl){extras}"' in install_step
 
 
 def test_downloads_happen_in_the_build_stage_only(dockerfile: str) -> None:
@@ -335,10 +349,12 @@ def health_server() -> Iterator[tuple[int, type[_Health]]]:
         server.server_close()
 
 
-def _healthcheck(port: int, host: str = "0.0.0.0") -> int:
-    env = {"PATH": os.environ["PATH"], "CRYPTD_HOST": host, "CRYPTD_PORT": str(port)}
+def _healthcheck(port: int, host: str = "0.0.0.0", **settings: str) -> int:
+    env = {"PATH": os.environ["PATH"], "CRYPTD_HOST": host, "CRYPTD_PORT": str(port), **settings}
     script = ROOT / "docker" / "healthcheck.py"
-    return subprocess.run([sys.executable, str(script)], env=env, check=False).returncode
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, check=False, capture_output=True
+    ).returncode
 
 
 def test_healthcheck_follows_healthz(health_server: tuple[int, type[_Health]]) -> None:
@@ -348,6 +364,55 @@ def test_healthcheck_follows_healthz(health_server: tuple[int, type[_Health]]) -
     handler.status = 503
     assert _healthcheck(port) == 1
     assert _healthcheck(free_port()) == 1  # nothing listening
+
+
+@pytest.fixture
+def tls_health_server(tmp_path: Path) -> Iterator[tuple[int, type[_Health], Path]]:
+    """The health server over TLS, with a certificate from a private CA (as cert-manager's
+    names the Service, not the loopback address); yields its port, handler and cert file."""
+    from service.edge.devcerts import issue, make_ca
+
+    ca = make_ca("healthcheck test CA")
+    leaf = issue(ca, ["cryptd.cryptd.svc"])
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(leaf.cert_pem())
+    key.write_bytes(leaf.key_pem())
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    handler = type("Handler", (_Health,), {"status": 200})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    # A failed handshake (plain HTTP sent to this port) is the client's problem, not a
+    # traceback on the test's stderr.
+    server.handle_error = lambda request, address: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], handler, cert
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_healthcheck_speaks_https_when_the_server_does(
+    tls_health_server: tuple[int, type[_Health], Path],
+    health_server: tuple[int, type[_Health]],
+) -> None:
+    port, handler, cert = tls_health_server
+    tls = {"CRYPTD_TLS_CERT_FILE": str(cert), "CRYPTD_TLS_KEY_FILE": str(cert.with_suffix(".key"))}
+    assert _healthcheck(port, **tls) == 0
+    assert _healthcheck(port, host="127.0.0.1", **tls) == 0
+    handler.status = 503
+    assert _healthcheck(port, **tls) == 1
+    handler.status = 200
+    # Plain HTTP to the TLS port gets no answer.
+    assert _healthcheck(port) == 1
+    # A plain server where TLS is configured does not pass for healthy; CRYPTD_TLS=off (a
+    # proxy terminates TLS in front) probes it over HTTP.
+    plain_port, _ = health_server
+    assert _healthcheck(plain_port, **tls) == 1
+    assert _healthcheck(plain_port, CRYPTD_TLS="off") == 0
+    assert _healthcheck(free_port(), **tls) == 1  # nothing listening
 
 
 def test_healthcheck_probes_loopback_for_wildcard_binds() -> None:

@@ -10,10 +10,16 @@ image's user with every capability dropped and no_new_privs; the image's entrypo
 environment plus the ConfigMap's settings. The host's network is shared, so the port is a free
 one and the address loopback; nothing else is overridden.
 
-Then: signed requests through the project's client (AES-GCM, SM2 through the image's
-libcrypto, RSA on the process pool), the image's HEALTHCHECK command and the Deployment's
-preStop command executed inside the container as the image's user, and SIGTERM to PID 1 with a
-request in flight: the request is answered and the container exits 0.
+The server serves HTTPS only, as in production: the test makes a private CA and a server
+certificate for the Certificate's names (and the loopback address the test reaches it on) and
+provides them as the Secret cert-manager would write (cryptd-tls: tls.crt, tls.key, ca.crt).
+Then: signed requests over HTTPS, verified against that CA, through the project's client
+(AES-GCM, SM2 through the image's libcrypto, RSA on the process pool); nothing in clear text
+on the port; the image's HEALTHCHECK command and the Deployment's preStop command executed
+inside the container as the image's user; SIGTERM to PID 1 with a request in flight: the
+request is answered and the container exits 0. And the PostgreSQL deployment
+(k8s/postgresql): the image's psycopg serving and managing keys in a database of the test's
+own on the real PostgreSQL.
 
 Without CRYPTD_IMAGE_DIR the module skips, except under CI=true, where it fails.
 """
@@ -26,11 +32,14 @@ import os
 import re
 import shlex
 import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +49,7 @@ import httpx
 import pytest
 
 from service.client import ConflictError, CryptdClient
+from service.edge.devcerts import issue, make_ca
 from tests.test_k8s_support import (
     IN_CI,
     K8S,
@@ -122,6 +132,20 @@ def _config_map(name: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in generator.get("literals", []))
 
 
+def _base_config_maps() -> dict[str, dict[str, str]]:
+    return {"cryptd-config": _config_map("cryptd-config")}
+
+
+def _server_certificate() -> dict[str, Any]:
+    """The cert-manager Certificate that writes the server's TLS Secret."""
+    certificate: dict[str, Any] = next(
+        doc
+        for doc in load_docs(K8S / "base" / "certificate.yaml")
+        if doc["kind"] == "Certificate" and not doc["spec"].get("isCA")
+    )
+    return certificate
+
+
 def _size(quantity: str) -> str:
     """A Kubernetes quantity (64Mi) as a tmpfs size option (64m)."""
     match = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", quantity)
@@ -140,6 +164,8 @@ class Container:
     pod: dict[str, Any]
     secrets: dict[str, dict[str, bytes]]
     work: Path
+    # envFrom's ConfigMaps by name (the base's generator, or a kustomize output's, hashed names)
+    config_maps: dict[str, dict[str, str]] = field(default_factory=_base_config_maps)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -148,8 +174,23 @@ class Container:
         return _container_spec(self.pod)
 
     @property
+    def scheme(self) -> str:
+        """The scheme the Deployment's probes use: HTTPS, unless the pod serves plain HTTP."""
+        probe = self.spec["readinessProbe"]["httpGet"]
+        return str(probe.get("scheme", "HTTP")).lower()
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA of the server's certificate, on the host: the mounted TLS Secret's ca.crt."""
+        return self.work / "secrets" / _server_certificate()["spec"]["secretName"] / "ca.crt"
+
+    def verify(self) -> ssl.SSLContext:
+        """A client context trusting only the server's CA (hostname checked)."""
+        return ssl.create_default_context(cafile=str(self.ca_file))
 
     @property
     def log_path(self) -> Path:
@@ -167,7 +208,7 @@ class Container:
         composes them; then the two overrides the shared network needs."""
         env = self.image.env()
         for source in self.spec.get("envFrom", []):
-            env.update(_config_map(source["configMapRef"]["name"]))
+            env.update(self.config_maps[source["configMapRef"]["name"]])
         for item in self.spec.get("env", []):
             if "value" in item:
                 env[item["name"]] = item["value"]
@@ -327,7 +368,7 @@ class Container:
         while True:
             assert self.process.poll() is None, self.log()[-3000:]
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + probe, timeout=1).status_code == 200:
+                if httpx.get(self.url + probe, timeout=1, verify=self.verify()).status_code == 200:
                     return
             assert time.monotonic() < deadline, "not ready:\n" + self.log()[-3000:]
             time.sleep(0.2)
@@ -340,10 +381,28 @@ class Container:
             self.process.wait(timeout=30)
 
 
-def _secrets(work: Path, redis_url: str) -> tuple[dict[str, dict[str, bytes]], tuple[str, str]]:
+def _tls_secret() -> dict[str, bytes]:
+    """The server's TLS Secret in cert-manager's layout: a private CA and a certificate it
+    issued for the Certificate's DNS names, plus the loopback address the test connects to
+    (the host's network is shared)."""
+    ca = make_ca("cryptd image test CA")
+    leaf = issue(ca, [*_server_certificate()["spec"]["dnsNames"], "127.0.0.1"])
+    # tls.crt holds the chain, leaf first, as cert-manager writes it.
+    return {
+        "tls.crt": leaf.cert_pem() + ca.cert_pem(),
+        "tls.key": leaf.key_pem(),
+        "ca.crt": ca.cert_pem(),
+    }
+
+
+def _secrets(
+    work: Path, redis_url: str, keystore_url: str | None = None
+) -> tuple[dict[str, dict[str, bytes]], tuple[str, str]]:
     """The Deployment's Secrets, made with the project's CLI: a master key, a keyring with the
-    keys the tests use, one client allowed everything (key management included). Returns them
-    and the client's (id, secret)."""
+    keys the tests use, one client allowed everything (key management included), the server's
+    TLS certificate. With ``keystore_url`` (the PostgreSQL deployment) the keyring is copied
+    into that database and the Secrets are the overlay's: the URL and the database's CA
+    instead of the keyring. Returns them and the client's (id, secret)."""
     cryptd = str(cryptd_shim(work / "bin"))
     made = work / "made"
     made.mkdir()
@@ -373,12 +432,33 @@ def _secrets(work: Path, redis_url: str) -> tuple[dict[str, dict[str, bytes]], t
         text=True,
     )
     secret = added.stdout.split()[0]
+    tls_name = _server_certificate()["spec"]["secretName"]
     secrets = {
         "cryptd-master-key": {"master.key": master.read_bytes()},
-        "cryptd-keyring": {"keyring.json": keyring.read_bytes()},
         "cryptd-clients": {"clients.json": clients.read_bytes()},
         "cryptd-redis": {"url": redis_url.encode()},
+        tls_name: _tls_secret(),
     }
+    if keystore_url is None:
+        secrets["cryptd-keyring"] = {"keyring.json": keyring.read_bytes()}
+    else:
+        subprocess.run(
+            [
+                cryptd,
+                "keystore",
+                "copy",
+                str(keyring),
+                keystore_url,
+                "--master-key-file",
+                str(master),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        secrets["cryptd-keystore"] = {"url": keystore_url.encode()}
+        # Mounted for sslmode=verify-full to a remote database; the loopback server here
+        # speaks without TLS, which production allows for local hosts only.
+        secrets["cryptd-keystore-ca"] = {"ca.crt": secrets[tls_name]["ca.crt"]}
     return secrets, ("app", secret)
 
 
@@ -390,16 +470,28 @@ class Running:
 
     def client(self, timeout: float = 30, retries: int = 3) -> CryptdClient:
         return CryptdClient(
-            self.container.url, self.client_id, self.secret, timeout=timeout, retries=retries
+            self.container.url,
+            self.client_id,
+            self.secret,
+            timeout=timeout,
+            retries=retries,
+            ca_file=self.container.ca_file,
         )
 
 
 @contextlib.contextmanager
-def running(image: Image, pod: dict[str, Any], redis_url: str) -> Iterator[Running]:
+def running(
+    image: Image,
+    pod: dict[str, Any],
+    redis_url: str,
+    *,
+    config_maps: dict[str, dict[str, str]] | None = None,
+    keystore_url: str | None = None,
+) -> Iterator[Running]:
     require_cli()
     with world_tempdir() as work:
-        secrets, (client_id, secret) = _secrets(work, redis_url)
-        container = Container(image, pod, secrets, work)
+        secrets, (client_id, secret) = _secrets(work, redis_url, keystore_url)
+        container = Container(image, pod, secrets, work, config_maps or _base_config_maps())
         container.start()
         try:
             container.wait_ready()
@@ -598,9 +690,47 @@ def test_serves_signed_requests(served: Running) -> None:
         # Key management would write the read-only keyring Secret: refused, not attempted.
         with pytest.raises(ConflictError):
             cryptd.create_key("other", "aes256-gcm")
-    metrics = httpx.get(served.container.url + "/metrics", timeout=10)
+    metrics = httpx.get(
+        served.container.url + "/metrics", timeout=10, verify=served.container.verify()
+    )
     assert metrics.status_code == 200
     assert "cryptd_" in metrics.text
+
+
+def test_serves_tls_only_with_the_mounted_certificate(served: Running) -> None:
+    container = served.container
+    assert container.scheme == "https"
+    # The handshake: TLS 1.3, the certificate from the Secret, verified against its CA.
+    with (
+        socket.create_connection(("127.0.0.1", container.port), timeout=10) as raw,
+        container.verify().wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        assert tls.version() == "TLSv1.3"
+        served_cert = tls.getpeercert(binary_form=True)
+    mounted = ssl.PEM_cert_to_DER_cert(
+        container.secrets["cryptd-tls"]["tls.crt"].decode().split("-----END CERTIFICATE-----")[0]
+        + "-----END CERTIFICATE-----\n"
+    )
+    assert served_cert == mounted
+    # TLS 1.1 is refused at the handshake by the image's OpenSSL (a client that offers only
+    # that, its own security level lowered so that it does offer it).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        old.minimum_version = old.maximum_version = ssl.TLSVersion.TLSv1_1
+    old.set_ciphers("DEFAULT:@SECLEVEL=0")
+    old.load_verify_locations(container.ca_file)
+    with (
+        socket.create_connection(("127.0.0.1", container.port), timeout=10) as raw,
+        pytest.raises((ssl.SSLError, ConnectionResetError)),
+    ):
+        old.wrap_socket(raw, server_hostname="127.0.0.1")
+    # Nothing answers in clear text.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{container.port}/healthz", timeout=5)
+    # A client that does not trust the CA does not connect.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(container.url + "/healthz", timeout=5, verify=ssl.create_default_context())
 
 
 def test_runs_as_the_image_user_without_privileges(served: Running) -> None:
@@ -749,3 +879,49 @@ def test_prestop_then_sigterm_drains_and_exits_zero(
     assert "Finished server process" in log, log[-3000:]
     assert "Read-only file system" not in log
     assert "Traceback" not in log, log[-3000:]
+
+
+# --- the PostgreSQL deployment (k8s/postgresql) ----------------------------------------------
+
+
+def test_serves_and_manages_keys_on_postgresql(
+    image: Image, redis_url: str, pg_database: str
+) -> None:
+    """The k8s/postgresql overlay's pod on the image: the key store in a database of this
+    test's own on the real PostgreSQL, reached with the image's psycopg (and its libpq)."""
+    import psycopg
+
+    from tests import test_k8s as k8s
+
+    rendered = k8s.render_with_kustomize(K8S / "postgresql")
+    pod = k8s.pod_spec(k8s.server(rendered))
+    config_maps = {d["metadata"]["name"]: d["data"] for d in rendered if d["kind"] == "ConfigMap"}
+    with running(image, pod, redis_url, config_maps=config_maps, keystore_url=pg_database) as run:
+        environment = run.container.environment()
+        assert environment["CRYPTD_KEYSTORE_URL"] == pg_database
+        assert environment["CRYPTD_KEYRING_READ_ONLY"] == "false"
+        with run.client() as cryptd:
+            # The keys copied into the database serve (SM2 through the image's libcrypto).
+            token = cryptd.encrypt("payments", b"card 4111").ciphertext
+            assert cryptd.decrypt("payments", token).plaintext == b"card 4111"
+            signature = cryptd.sign("seal", b"statement").signature
+            assert cryptd.verify("seal", b"statement", signature=signature)
+            # Key management is written to the database through the API.
+            cryptd.create_key("ledger", "aes256-gcm")
+            rotated = cryptd.rotate_key("payments")
+            assert rotated.latest_version == 2
+            sealed = cryptd.encrypt("ledger", b"entry").ciphertext
+            assert cryptd.decrypt("ledger", sealed).plaintext == b"entry"
+            assert cryptd.decrypt("payments", token).plaintext == b"card 4111"
+        readiness = httpx.get(run.container.url + "/readyz", verify=run.container.verify())
+        assert readiness.json()["status"] == "ready", readiness.text
+        log = run.container.log()
+    with psycopg.connect(pg_database) as conn:
+        names = {row[0] for row in conn.execute("SELECT name FROM cryptd_keys")}
+        versions = conn.execute(
+            "SELECT max(version) FROM cryptd_key_versions WHERE name = 'payments'"
+        ).fetchone()
+    assert names == {"payments", "seal", "bulk", "ledger"}
+    assert versions == (2,)
+    assert "Traceback" not in log, log[-3000:]
+    assert "Read-only file system" not in log

@@ -102,6 +102,14 @@ def secrets_from_script() -> dict[str, set[str]]:
         (work / "ca.crt").write_text(
             "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
         )
+        # The server's own certificate (Secret cryptd-tls), as made without cert-manager.
+        from service.edge.devcerts import issue, make_ca
+
+        tls_ca = make_ca("make-secrets test CA")
+        leaf = issue(tls_ca, ["cryptd.cryptd.svc"])
+        (work / "tls.crt").write_bytes(leaf.cert_pem())
+        (work / "tls.key").write_bytes(leaf.key_pem())
+        (work / "tls-ca.crt").write_bytes(tls_ca.cert_pem())
         result = subprocess.run(
             [
                 str(K8S / "scripts" / "make-secrets.sh"),
@@ -115,6 +123,12 @@ def secrets_from_script() -> dict[str, set[str]]:
                 str(work / "clients.json"),
                 "--redis-password-file",
                 str(work / "redis-password"),
+                "--tls-cert",
+                str(work / "tls.crt"),
+                "--tls-key",
+                str(work / "tls.key"),
+                "--tls-ca",
+                str(work / "tls-ca.crt"),
             ],
             capture_output=True,
             text=True,
