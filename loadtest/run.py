@@ -282,7 +282,9 @@ def stream(
         script, env = "cryptd.lua", {"CRYPTD_CREDENTIALS": str(credentials.credentials)}
         if plan.digest_once:
             env["CRYPTD_LT_DIGEST"] = "once"
-        body = prepared.files[("cryptd", scenario.name)]
+        # A cryptd target has its own bodies (its keys); the bare ceiling takes cryptd's.
+        owner = target.name if isinstance(target, Cryptd) else "cryptd"
+        body = prepared.files[(owner, scenario.name)]
     return WrkStream(
         script,
         target.url,
