@@ -76,6 +76,14 @@ def mtls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "spiffe://test.example/svc",
             "--certificate-only",
         ],
+        [
+            "app",
+            "--allow",
+            "aes256-gcm:encrypt,decrypt",
+            "--certificate",
+            "spiffe://test.example/app",
+            "--certificate-only",
+        ],
     ):
         done = cryptd("clients", "add", *args, "--file", str(clients))
         assert done.returncode == 0, done.stderr
@@ -268,3 +276,87 @@ def test_clients_add_refuses_what_the_server_would_refuse(tmp_path: Path) -> Non
             "authentication": "certificate",
         }
     ]
+
+
+def certificate_credential(pki: Pki, server: Server, name: str, identity: str) -> Path:
+    """A credential file for a certificate-only client: no secret, a client certificate."""
+    cert, key = pki.client(name, identity)
+    path = pki.root / f"{name}.json"
+    path.write_bytes(
+        orjson.dumps(
+            {
+                "url": server.url,
+                "client_id": name,
+                "authentication": "certificate",
+                "ca_file": "ca.crt",  # relative to the credential's directory
+                "cert_file": cert.name,
+                "key_file": key.name,
+            }
+        )
+    )
+    return path
+
+
+def test_light_client_authenticates_by_certificate_alone(mtls_server: Server, pki: Pki) -> None:
+    from cryptd_client import CryptdClient, ForbiddenError, UnauthenticatedError
+
+    credential = certificate_credential(pki, mtls_server, "app", "spiffe://test.example/app")
+    with CryptdClient.from_file(credential) as client:
+        assert client.authentication == "certificate"
+        token = client.encrypt("aes256-gcm", b"no secret needed", aad=b"a").ciphertext
+        assert client.decrypt("aes256-gcm", token, aad=b"a").plaintext == b"no secret needed"
+        # The policy of the client its certificate names applies.
+        with pytest.raises(ForbiddenError):
+            client.sign("ed25519", b"m")
+        with pytest.raises(ForbiddenError):
+            client.rotate_key("aes256-gcm")  # key management: admin clients only
+    # The same unsigned requests over a certificate that names no certificate-only client.
+    stranger = certificate_credential(pki, mtls_server, "stranger", "spiffe://test.example/x9")
+    with CryptdClient.from_file(stranger) as client, pytest.raises(UnauthenticatedError):
+        client.encrypt("aes256-gcm", b"x")
+
+
+async def test_async_light_client_authenticates_by_certificate_alone(
+    mtls_server: Server, pki: Pki
+) -> None:
+    from cryptd_client import AsyncCryptdClient
+
+    credential = certificate_credential(pki, mtls_server, "app-async", "spiffe://test.example/app")
+    async with AsyncCryptdClient.from_file(credential) as client:
+        token = (await client.encrypt("aes256-gcm", b"async")).ciphertext
+        assert (await client.decrypt("aes256-gcm", token)).plaintext == b"async"
+
+
+def test_cryptd_call_with_a_certificate_only_credential(mtls_server: Server, pki: Pki) -> None:
+    credential = certificate_credential(pki, mtls_server, "app-cli", "spiffe://test.example/app")
+    encrypted = cryptd("call", "encrypt", "aes256-gcm", "--credential", str(credential),
+                       "--data", "from the command line")  # fmt: skip
+    assert encrypted.returncode == 0, encrypted.stderr
+    token = orjson.loads(encrypted.stdout)["ciphertext"]
+    decrypted = cryptd("call", "decrypt", "aes256-gcm", "--credential", str(credential),
+                       "--data", token, "--raw")  # fmt: skip
+    assert decrypted.returncode == 0, decrypted.stderr
+    assert decrypted.stdout == "from the command line"
+    refused = cryptd("call", "encrypt", "sm4-gcm", "--credential", str(credential), "--data", "x")
+    assert refused.returncode == 1
+    assert orjson.loads(refused.stderr)["error"]["code"] == "forbidden"
+
+
+def test_a_client_without_a_secret_needs_a_certificate(pki: Pki, tmp_path: Path) -> None:
+    from cryptd_client import CryptdClient
+
+    cert, key = pki.client("plain", "spiffe://test.example/plain")
+    with pytest.raises(ValueError, match="cert_file"):
+        CryptdClient("https://127.0.0.1:1", "x", None)
+    with pytest.raises(ValueError, match="https"):
+        CryptdClient("http://127.0.0.1:1", "x", None, cert_file=cert, key_file=key)
+    for document, message in (
+        ({"url": "https://h", "client_id": "x"}, "no secret"),
+        ({"url": "https://h", "client_id": "x", "authentication": "certificate",
+          "secret": "AAAA", "cert_file": str(cert)}, "has no secret"),
+        ({"url": "https://h", "client_id": "x", "authentication": "both"}, "authentication"),
+    ):  # fmt: skip
+        path = tmp_path / "credential.json"
+        path.write_bytes(orjson.dumps(document))
+        with pytest.raises(ValueError, match=message):
+            CryptdClient.from_file(path)

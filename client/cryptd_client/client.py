@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Final, Literal, Self, TypeVar
 
 import httpx
 
@@ -66,7 +66,7 @@ from cryptd_client.results import (
     MacResult,
     SignResult,
 )
-from cryptd_client.signing import sign_request
+from cryptd_client.signing import CONTENT_TYPE, sign_request
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ class _Base:
         self,
         url: str,
         client_id: str,
-        secret_b64: str,
+        secret_b64: str | None,
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         *,
@@ -141,13 +141,23 @@ class _Base:
         cert_file: str | Path | None = None,
         key_file: str | Path | None = None,
     ) -> None:
-        """``secret_b64`` is the client secret as issued (base64). ``retries`` bounds the
-        retries of one call on 429 / 503 / connection failure; ``max_total_wait`` (seconds)
-        bounds the time spent waiting between them; batches are sent ``batch_size`` items at a
-        time."""
+        """``secret_b64`` is the client secret as issued (base64): every request is signed
+        with it. None: a client the server authenticates by its certificate alone (mutual
+        TLS, ``"authentication": "certificate"`` in the server's clients file): requests go
+        unsigned over an ``https://`` connection presenting ``cert_file``, which is then
+        required. ``retries`` bounds the retries of one call on 429 / 503 / connection
+        failure; ``max_total_wait`` (seconds) bounds the time spent waiting between them;
+        batches are sent ``batch_size`` items at a time."""
         self.url = url.rstrip("/")
         self.client_id = client_id
-        self._secret = base64.b64decode(secret_b64, validate=True)
+        self._secret: bytes | None = None
+        if secret_b64 is not None:
+            self._secret = base64.b64decode(secret_b64, validate=True)
+        elif cert_file is None or not self.url.startswith("https://"):
+            raise ValueError(
+                "a client without a secret is authenticated by its TLS client certificate:"
+                " it needs an https:// URL and cert_file"
+            )
         self.timeout = timeout
         self.retries = retries
         self.max_total_wait = max_total_wait
@@ -156,6 +166,11 @@ class _Base:
         if ca_file is not None or cert_file is not None or key_file is not None:
             self._tls = tls_context(ca_file, cert_file, key_file)
         self._open()
+
+    @property
+    def authentication(self) -> Literal["signature", "certificate"]:
+        """How the server authenticates this client's requests."""
+        return "certificate" if self._secret is None else "signature"
 
     @property
     def _tls_verify(self) -> ssl.SSLContext | bool:
@@ -168,13 +183,27 @@ class _Base:
     def from_file(cls, path: str | Path, **options: Any) -> Self:
         """A client from a credential file ``{"url", "client_id", "secret"}`` (and
         ``ca_file``, ``cert_file``, ``key_file`` for TLS; relative paths are taken from the
-        file's directory)."""
+        file's directory). A client authenticated by its certificate alone has
+        ``"authentication": "certificate"`` and ``cert_file`` instead of a secret. ``url=``
+        overrides the file's URL."""
         path = Path(path)
         data = json.loads(path.read_text(encoding="utf-8"))
         for name in ("ca_file", "cert_file", "key_file"):
             if data.get(name) is not None and name not in options:
                 options[name] = path.parent / data[name]
-        return cls(data["url"], data["client_id"], data["secret"], **options)
+        url = options.pop("url", None) or data["url"]
+        authentication = data.get("authentication", "signature")
+        if authentication == "certificate":
+            if data.get("secret") is not None:
+                raise ValueError(f"{path}: a certificate-only credential has no secret")
+            secret = None
+        elif authentication == "signature":
+            if not data.get("secret"):
+                raise ValueError(f'{path}: no secret (or "authentication": "certificate")')
+            secret = data["secret"]
+        else:
+            raise ValueError(f"{path}: authentication is 'signature' or 'certificate'")
+        return cls(url, data["client_id"], secret, **options)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, client_id={self.client_id!r})"
@@ -187,11 +216,16 @@ class _Base:
             content=content,
             headers={"X-Request-ID": uuid.uuid4().hex},
         )
-        if call.signed:
+        secret = self._secret
+        if call.signed and secret is None:
+            # Authenticated by the connection's certificate: no signature, the JSON media type.
+            if content:
+                request.headers["Content-Type"] = CONTENT_TYPE
+        elif call.signed and secret is not None:
             # Sign what goes on the wire: the encoded path and query httpx will send.
             path, _, query = request.url.raw_path.decode("ascii").partition("?")
             request.headers.update(
-                sign_request(call.method, path, query, content, self.client_id, self._secret)
+                sign_request(call.method, path, query, content, self.client_id, secret)
             )
         return request
 

@@ -1,4 +1,5 @@
-"""``cryptd call <op> [key]``: call a running cryptd with a signed request, print JSON."""
+"""``cryptd call <op> [key]``: call a running cryptd (a signed request, or an unsigned one over a
+client certificate for a certificate-only client), print JSON."""
 
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--credential",
         type=Path,
-        help="credential JSON {url, client_id, secret} "
-        "(default: $CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
+        help="credential JSON {url, client_id, secret} and, for TLS, ca_file, cert_file,"
+        " key_file; a client authenticated by its certificate alone has"
+        ' "authentication": "certificate" and cert_file instead of a secret'
+        " (default: $CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
     )
     parser.add_argument("--url", help="override the URL of the credential file")
     source = parser.add_mutually_exclusive_group()
@@ -267,16 +270,10 @@ def _call(args: argparse.Namespace) -> int:
     if args.op not in _KEYLESS and not args.key:
         raise ValueError(f"'{args.op}' needs a key name")
     credential = Path(args.credential) if args.credential else default_credential()
-    data = json.loads(credential.read_text(encoding="utf-8"))
-    url = args.url or data["url"]
     try:
-        # TLS files named in the credential (https://), relative to its directory.
-        tls = {
-            name: credential.parent / data[name]
-            for name in ("ca_file", "cert_file", "key_file")
-            if data.get(name)
-        }
-        with CryptdClient(url, data["client_id"], data["secret"], **tls) as client:
+        # TLS files named in the credential (https://) are taken relative to its directory; a
+        # certificate-only credential has cert_file and no secret (requests go unsigned).
+        with CryptdClient.from_file(credential, url=args.url) as client:
             result, status = _execute(client, args)
     except CryptdAPIError as exc:
         error = {
