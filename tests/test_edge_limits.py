@@ -141,6 +141,58 @@ def test_slow_head_is_408_and_idle_keep_alive_is_closed(own_server: Callable[...
         assert 2.8 < time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("complete", [1, 2])
+def test_pipelined_partial_head_is_bounded_by_the_header_timeout(
+    own_server: Callable[..., Server], complete: int
+) -> None:
+    """A head that begins in the read of the request(s) before it, on a kept-alive
+    connection, then dribbles in: 408 within the header timeout of its first byte (the idle
+    and request limits are longer, so neither could be what closes it)."""
+    server = own_server(
+        CRYPTD_HEADER_READ_TIMEOUT="1.5",
+        CRYPTD_KEEPALIVE_TIMEOUT="20",
+        CRYPTD_REQUEST_READ_TIMEOUT="20",
+    )
+    with connect(server.url) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = ResponseReader(sock)
+        # One write: the complete request(s), then the first line of the next head.
+        sock.sendall(head_bytes("GET", "/healthz", {}) * complete + b"GET /healthz HTTP/1.1\r\n")
+        started = time.monotonic()
+        for _ in range(complete):
+            assert reader.read().status == 200
+        sock.settimeout(0.4)
+        response = None
+        while response is None and time.monotonic() - started < 8:
+            try:
+                response = reader.read()
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"X-Slow: 1\r\n")
+        assert response is not None
+        assert_json_error(response, 408, "request_timeout")
+        assert 1.3 < time.monotonic() - started < 4
+        assert reader.closed(timeout=5)
+    assert server.request("GET", "/healthz", sign=False).status_code == 200
+
+
+def test_pipelined_head_over_the_limit_is_431(server: Server) -> None:
+    """The head's bytes that came in the previous request's read count too: a head that
+    begins there and ends over the limit in a later read is 431."""
+    first = head_bytes("GET", "/healthz", {}) + b"GET /healthz HTTP/1.1\r\nX-Big: "
+    first += b"a" * (LIMIT - 1000)
+    rest = b"a" * 2000 + b"\r\n\r\n"
+    responses = exchange(server.url, [first, rest], responses=2, pause=0.3)
+    assert responses[0].status == 200
+    assert_json_error(responses[1], 431, "headers_too_large")
+    # Under the limit the same split is served.
+    first = head_bytes("GET", "/healthz", {}) + b"GET /healthz HTTP/1.1\r\nX-Big: "
+    first += b"a" * (LIMIT - 3000)
+    rest = b"a" * 1000 + b"\r\n\r\n"
+    responses = exchange(server.url, [first, rest], responses=2, pause=0.3)
+    assert [r.status for r in responses] == [200, 200]
+
+
 def test_slow_body_is_408(own_server: Callable[..., Server]) -> None:
     server = own_server(CRYPTD_REQUEST_READ_TIMEOUT="2")
     headers = {"Content-Type": "application/json", "Content-Length": "100"}

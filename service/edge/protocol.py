@@ -14,7 +14,10 @@ keep-alive HTTP/1.1.
 fields is 431 ``headers_too_large``. While a head is incomplete every byte received counts
 (so a huge or endless head is cut off as soon as it passes the limit, holding at most the
 limit plus one read); a head that completes within one read is measured from its parsed
-fields, and only when that read was larger than the limit.
+fields, and only when that read was larger than the limit. A pipelined head that begins in
+the read where the request before it ended (how many of that read's bytes are its own, the
+parser does not say) is measured from its parsed fields when it completes; until then the
+bytes of its later reads count, so it too holds at most the limit plus one read.
 
 **Time limits**, on one timer per connection (uvicorn's keep-alive timer, so a request costs
 no more timer operations than before): a new connection, or a kept-alive one from the first
@@ -115,6 +118,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes of the current head received in earlier reads
         self._read = 0  # size of the read being parsed
         self._ended = False  # a message ended inside the read being parsed
+        # The current head began in a read where an earlier message ended (pipelining): its
+        # bytes in that read were not counted, so its parsed size is checked when it completes.
+        self._uncounted = False
         self._refusal: _Refusal | None = None
         self._extensions: dict[str, Any] | None = None
         self._upgrade_body: _UpgradeBody | None = None
@@ -197,6 +203,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._phase = _HEAD
+        self._uncounted = self._ended
         self._started = self.loop.time()
         self._idle_deadline = None
         if self._extensions is not None:
@@ -204,9 +211,9 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._phase = _BODY
-        received = self._head_bytes + self._read  # at least this head's size
+        received = self._head_bytes + self._read  # this head's size, unless _uncounted
         self._head_bytes = 0
-        if received > self._max_head and self._head_size() > self._max_head:
+        if (received > self._max_head or self._uncounted) and self._head_size() > self._max_head:
             self._refusal = self._too_large()
             raise _Refused
         super().on_headers_complete()
