@@ -240,9 +240,9 @@ def _verdict(ok: bool | None) -> str:
 def hot_path_table(result: ScenarioResult) -> str:
     rows = [
         "| server | plain req/s per server core | TLS req/s per server core | TLS / plain "
-        "| server CPU us/request plain / TLS | TLS adds us/request | P99 ms plain / TLS "
-        "| errors plain / TLS |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| server CPU us/request plain / TLS | TLS adds us/request | wrk CPU us/request plain / "
+        "TLS | P99 ms plain / TLS | errors plain / TLS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in ("bare", "cryptd"):
         pair = result.pairs.get(kind)
@@ -253,6 +253,8 @@ def hot_path_table(result: ScenarioResult) -> str:
             f"| {_num(pair.tls.rps / pair.cores)} | {_x(pair.tls_ratio)} "
             f"| {_num(pair.plain.server_cpu_per_request_us)} / "
             f"{_num(pair.tls.server_cpu_per_request_us)} | {_num(pair.added_us, 1)} "
+            f"| {_num(pair.plain.client_cpu_per_request_us)} / "
+            f"{_num(pair.tls.client_cpu_per_request_us)} "
             f"| {pair.plain.p99_ms:.2f} / {pair.tls.p99_ms:.2f} "
             f"| {pair.plain.errors} / {pair.tls.errors} |"
         )
