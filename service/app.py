@@ -108,6 +108,10 @@ def create_app(
         on_reload=metrics.keyring_reload,
         expected_deployment=settings.keystore_id,
         min_auto_rotate_period=1 if settings.env == "development" else MIN_AUTO_ROTATE_PERIOD,
+        deletion_waiting_period=settings.deletion_waiting_period_value(),
+        on_destroy=lambda name, date: logs.audit.record(
+            "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
+        ),
     )
     manager.load()
     watcher = KeyringWatcher(manager, interval=settings.keyring_reload_interval)
@@ -162,10 +166,12 @@ def create_app(
                 stats.queued, stats.in_flight, executor=kind, max_pending=stats.max_pending
             )
 
-    async def rotate_due_keys() -> None:
-        # Cheap when nothing is due (a look at the snapshot); the rotation runs in a thread.
-        if manager.due_for_rotation():
-            await run_in_threadpool(manager.rotate_due)
+    async def run_due_work() -> None:
+        # Cheap when nothing is due (a look at the snapshot); the work runs in a thread, in
+        # one process of all replicas (the store's lock): automatic rotations, and the
+        # destruction of keys whose deletion date has passed.
+        if manager.has_due_work():
+            await run_in_threadpool(manager.run_due)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -185,7 +191,7 @@ def create_app(
         tasks = [
             asyncio.create_task(_every(1.0, "pool gauges", publish_pool_gauges)),
             asyncio.create_task(
-                _every(settings.auto_rotate_check_interval, "automatic rotation", rotate_due_keys)
+                _every(settings.auto_rotate_check_interval, "scheduled key work", run_due_work)
             ),
         ]
         loop = asyncio.get_running_loop()

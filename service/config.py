@@ -45,6 +45,9 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
 }
 
 
+DEFAULT_DELETION_WAITING_PERIOD = 7 * 86400  # AWS KMS's shortest waiting period
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CRYPTD_", extra="ignore")
 
@@ -63,8 +66,11 @@ class Settings(BaseSettings):
     # The deployment id the key store must carry (`cryptd keystore show` prints it); unset:
     # whatever the store holds at start, and never another one while running.
     keystore_id: str | None = None
-    # Seconds between looks for keys whose automatic rotation is due.
+    # Seconds between looks for keys whose automatic rotation or destruction is due.
     auto_rotate_check_interval: float = Field(default=10.0, gt=0)
+    # Seconds between DELETE and the destruction of the key (pending_deletion meanwhile,
+    # cancel-deletion undoes it); 0: deleted at once. Unset: 7 days, 0 in development.
+    deletion_waiting_period: int | None = Field(default=None, ge=0, le=366 * 86400)
     keyring_reload_interval: float = Field(default=1.0, gt=0)
     keyring_read_only: bool = False
     # Seconds a new key version waits before encryptions and signatures use it, so that every
@@ -146,6 +152,11 @@ class Settings(BaseSettings):
         """The executor that runs ``key_type``'s batches (and its single items unless inline)."""
         placement = self.executors[key_type]
         return "thread" if placement == "mixed" else placement
+
+    def deletion_waiting_period_value(self) -> int:
+        if self.deletion_waiting_period is not None:
+            return self.deletion_waiting_period
+        return 0 if self.env == "development" else DEFAULT_DELETION_WAITING_PERIOD
 
     def docs_enabled(self) -> bool:
         return self.env == "development" if self.docs is None else self.docs

@@ -130,9 +130,11 @@ def b64(data: bytes) -> str:
 
 
 def check_operation(key: Key, op: OpName) -> None:
-    """Refuse (400) an operation the key's type does not support."""
+    """Refuse an operation the key's type does not support (400), then one its state does not
+    allow (409 key_disabled): both concern the whole request, never one item."""
     if not key.type.supports(REQUIRES[op]):  # type: ignore[arg-type]
         raise InvalidRequest(f"key type {key.type.name} does not support {op}")
+    key.check_use(op)
 
 
 def _handle(kv: KeyVersion, context: bytes | None) -> KeyHandle:
@@ -144,7 +146,7 @@ def _handle(kv: KeyVersion, context: bytes | None) -> KeyHandle:
 def _seal(
     key: Key, version: int | None, plaintext: bytes, aad: bytes, context: bytes | None
 ) -> Result:
-    kv = key.version(version)
+    kv = key.version(version, encrypting=True)
     ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
     body = _handle(kv, context).encrypt(plaintext, ad)
     return {
@@ -200,18 +202,20 @@ def decrypt(keyring: Keyring, key: Key, item: DecryptItem) -> Result:
     }
 
 
-def _signing_version(key: Key, prehashed: bool, version: int | None) -> KeyVersion:
-    """The version to sign or verify with. A digest's length is checked by the key handle: it
-    depends on the hash the request chose."""
+def _signing_version(
+    key: Key, prehashed: bool, version: int | None, *, signing: bool
+) -> KeyVersion:
+    """The version to sign (at or above ``min_encryption_version``) or verify with. A digest's
+    length is checked by the key handle: it depends on the hash the request chose."""
     if prehashed and key.type.sign_digest_size is None:
         raise InvalidRequest(
             f"key type {key.type.name} signs messages only; 'digest' is not accepted"
         )
-    return key.version(version)
+    return key.version(version, encrypting=signing)
 
 
 def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:
-    kv = _signing_version(key, item.prehashed, item.key_version)
+    kv = _signing_version(key, item.prehashed, item.key_version, signing=True)
     signature = kv.handle.sign(item.data, prehashed=item.prehashed, options=item.options)
     return {"signature": b64(signature), "key_version": kv.version}
 
@@ -228,7 +232,7 @@ def verify(keyring: Keyring, key: Key, item: VerifyItem | MacVerifyItem) -> Resu
         raise InvalidRequest(
             f"key type {key.type.name} verifies a 'mac' (with 'message'), not a 'signature'"
         )
-    kv = _signing_version(key, item.prehashed, item.key_version)
+    kv = _signing_version(key, item.prehashed, item.key_version, signing=False)
     valid = kv.handle.verify(
         item.signature, item.data, prehashed=item.prehashed, options=item.options
     )
@@ -236,7 +240,7 @@ def verify(keyring: Keyring, key: Key, item: VerifyItem | MacVerifyItem) -> Resu
 
 
 def hmac(keyring: Keyring, key: Key, item: HmacItem) -> Result:
-    kv = key.version(item.key_version)
+    kv = key.version(item.key_version, encrypting=True)
     tag = _handle(kv, item.context).mac(item.data)
     return {"mac": token.encode_mac(kv.version, tag), "key_version": kv.version}
 
@@ -251,7 +255,10 @@ def _verify_mac(key: Key, item: MacVerifyItem) -> bool:
 
 def rewrap(keyring: Keyring, key: Key, item: RewrapItem) -> Result:
     target = key if item.to_key is None else keyring.key(item.to_key)
-    check_operation(target, "encrypt")
+    if not target.type.supports("encrypt"):
+        raise InvalidRequest(f"key type {target.type.name} does not support encrypt")
+    # A key rewrapped under itself writes new data under it too: decrypt_only refuses that.
+    target.check_use("rewrap to it" if target is not key else "rewrap under itself")
     if item.context is not None and not (key.derived or target.derived):
         raise InvalidRequest("'context' applies to derived keys only; neither key is derived")
     source_context = item.context if key.derived else None

@@ -65,6 +65,14 @@ class Conflict(CryptdError):
     default_message = "conflict"
 
 
+class KeyDisabled(CryptdError):
+    """The key's state refuses the operation (decrypt_only, disabled, pending_deletion); the
+    message names the state and the operation."""
+
+    code = "key_disabled"
+    default_message = "the key's state refuses this operation"
+
+
 class PayloadTooLarge(CryptdError):
     code = "payload_too_large"
     default_message = "payload too large"

@@ -341,16 +341,20 @@ class Audit:
         request_id: str | None = None,
         items: int = 1,
         target_key: str | None = None,
+        detail: Mapping[str, Any] | None = None,
     ) -> None:
-        """``event``: decrypt, sign, rewrap, key.create, key.rotate, key.update, key.delete, …
-        ``outcome``: ok, error, partial (some batch items failed), denied, or an error code."""
+        """``event``: decrypt, sign, rewrap, key.create, key.rotate, key.update, key.state,
+        key.delete, key.cancel_deletion, key.destroy, …
+        ``outcome``: ok, error, partial (some batch items failed), denied, scheduled (a
+        deletion with a waiting period), or an error code. ``detail``: fields of the event
+        (a state change's ``state`` and ``previous_state``, a ``deletion_date``)."""
         writer = self._writer
         if writer is None:
             return
         if not isinstance(key_version, int | None):
             key_version = tuple(sorted(set(key_version)))
         fields = (time.time(), event, outcome, client, key, key_version, items, request_id)
-        writer.write((_format_audit, (*fields, target_key)), wait=True)
+        writer.write((_format_audit, (*fields, target_key, detail)), wait=True)
 
     def healthy(self) -> bool:
         """False once a write to the audit destination failed (for the readiness probe)."""
@@ -362,7 +366,7 @@ class Audit:
 
 
 def _format_audit(fields: tuple[Any, ...]) -> bytes:
-    when, event, outcome, client, key, key_version, items, request_id, target_key = fields
+    when, event, outcome, client, key, key_version, items, request_id, target_key, detail = fields
     line = {
         "ts": _timestamp(when),
         "level": "info",
@@ -378,6 +382,8 @@ def _format_audit(fields: tuple[Any, ...]) -> bytes:
     }
     if target_key is not None:
         line["target_key"] = target_key
+    if detail:
+        line.update({name: value for name, value in detail.items() if name not in line})
     return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
 
 

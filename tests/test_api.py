@@ -369,7 +369,14 @@ def test_list_and_describe_keys(server: Server) -> None:
     names = {k["name"] for k in listed}
     assert set(ALL_TYPES) <= names
     for entry in listed:
-        assert set(entry) == {"name", "type", "latest_version", "min_decryption_version"}
+        assert set(entry) == {
+            "name",
+            "type",
+            "latest_version",
+            "min_decryption_version",
+            "min_encryption_version",
+            "state",
+        }
     for key in ALL_TYPES:
         described = server.request("GET", f"/v1/keys/{key}").json()
         assert described["type"] == key

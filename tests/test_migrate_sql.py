@@ -251,6 +251,49 @@ def test_refuses_keys_that_cannot_work(
     assert message in stderr
 
 
+@pytest.mark.parametrize(
+    ("source_state", "target_state", "message"),
+    [
+        ("enabled", "decrypt_only", "is decrypt_only: it takes no new encryptions"),
+        ("enabled", "disabled", "is disabled: it takes no new encryptions"),
+        ("disabled", "enabled", "is disabled: nothing can be decrypted under it"),
+    ],
+)
+def test_refuses_keys_whose_state_lets_no_row_migrate(
+    server: Server,
+    cryptd: CryptdClient,
+    tmp_path: Path,
+    source_state: str,
+    target_state: str,
+    message: str,
+) -> None:
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, f"sqlite:///{tmp_path / 'x.db'}", source, 3)
+    for name, state in ((source, source_state), (target, target_state)):
+        cryptd.update_key(name, state=state)
+    status, report, stderr = run_migrate(server, *sql_args(table, source, target))
+    assert status == 2
+    assert report is None
+    assert message in stderr
+    assert "Traceback" not in stderr
+    cryptd.update_key(source, state="enabled")
+    assert all(decrypts_to(cryptd, source, table.rows()))
+
+
+def test_a_decrypt_only_source_migrates(
+    server: Server, cryptd: CryptdClient, tmp_path: Path
+) -> None:
+    """Phase 1 of docs/MIGRATION.md: the old key decrypt-only, then its data moved."""
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, f"sqlite:///{tmp_path / 'x.db'}", source, 20)
+    cryptd.update_key(source, state="decrypt_only")
+    status, report, stderr = run_migrate(server, *sql_args(table, source, target))
+    assert status == 0, stderr
+    assert report is not None
+    assert report["total"]["migrated"] == 20
+    assert all(decrypts_to(cryptd, target, table.rows()))
+
+
 def test_a_checkpoint_of_another_migration_is_refused(
     server: Server, cryptd: CryptdClient, tmp_path: Path
 ) -> None:

@@ -35,9 +35,28 @@ class _Call(Generic[T]):
 Binary = bytes | bytearray | memoryview
 _BINARY: Final = frozenset({"plaintext", "aad", "message", "digest", "signature", "context"})
 _TEXT: Final = frozenset(
-    {"format", "algorithm", "signer_id", "encoding", "hash_algorithm", "to_key", "type", "mac"}
+    {
+        "format",
+        "algorithm",
+        "signer_id",
+        "encoding",
+        "hash_algorithm",
+        "to_key",
+        "type",
+        "mac",
+        "state",
+    }
 )
-_INTEGER: Final = frozenset({"key_version", "bits", "min_decryption_version", "bytes"})
+_INTEGER: Final = frozenset(
+    {
+        "key_version",
+        "bits",
+        "min_decryption_version",
+        "min_encryption_version",
+        "auto_rotate_period",
+        "bytes",
+    }
+)
 _BOOLEAN: Final = frozenset({"deletion_allowed", "derived", "convergent"})
 
 
@@ -305,21 +324,37 @@ def _key_call(method: str, key: str, body: Mapping[str, Any] | None) -> _Call[Ke
     return _Call(method, _key_path("keys", key), body, KeyMetadata.from_json)
 
 
-def _update_key(
-    key: str, min_decryption_version: int | None, deletion_allowed: bool | None
-) -> _Call[KeyMetadata]:
-    body = _body(min_decryption_version=min_decryption_version, deletion_allowed=deletion_allowed)
+_UPDATABLE: Final = (
+    "min_decryption_version",
+    "deletion_allowed",
+    "auto_rotate_period",
+    "state",
+    "min_encryption_version",
+)
+
+
+def _update_key(key: str, changes: Mapping[str, Any]) -> _Call[KeyMetadata]:
+    body = _body(**changes)
     if not body:
-        raise ValueError("give min_decryption_version and/or deletion_allowed")
+        raise ValueError("give at least one of " + ", ".join(_UPDATABLE))
     return _key_call("PATCH", key, body)
+
+
+def _cancel_deletion(key: str) -> _Call[KeyMetadata]:
+    return _Call("POST", _key_path("keys", key) + "/cancel-deletion", None, KeyMetadata.from_json)
 
 
 def _rotate_key(key: str) -> _Call[KeyMetadata]:
     return _Call("POST", _key_path("keys", key) + "/rotate", None, KeyMetadata.from_json)
 
 
-def _delete_key(key: str) -> _Call[None]:
-    return _Call("DELETE", _key_path("keys", key), None, lambda _data: None)
+def _deleted(data: Mapping[str, Any] | None) -> KeyMetadata | None:
+    # 204: deleted at once (no body); 202: scheduled, the pending key's metadata.
+    return None if data is None else KeyMetadata.from_json(data)
+
+
+def _delete_key(key: str) -> _Call[KeyMetadata | None]:
+    return _Call("DELETE", _key_path("keys", key), None, _deleted)
 
 
 def _healthz() -> _Call[dict[str, Any]]:

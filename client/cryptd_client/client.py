@@ -24,6 +24,7 @@ from cryptd_client._calls import (
     _backup_key,
     _batch,
     _Call,
+    _cancel_deletion,
     _chunks,
     _ciphertext_items,
     _create_key,
@@ -472,11 +473,31 @@ class CryptdClient(_Base):
         *,
         min_decryption_version: int | None = None,
         deletion_allowed: bool | None = None,
+        auto_rotate_period: int | None = None,
+        state: str | None = None,
+        min_encryption_version: int | None = None,
     ) -> KeyMetadata:
-        return self._run(_update_key(key, min_decryption_version, deletion_allowed))
+        """Change a key's settings (admin); only the arguments given are sent. ``state``:
+        ``enabled``, ``decrypt_only`` or ``disabled``; ``min_encryption_version``: 0 (none)
+        or a version from ``min_decryption_version`` to the latest."""
+        changes = {
+            "min_decryption_version": min_decryption_version,
+            "deletion_allowed": deletion_allowed,
+            "auto_rotate_period": auto_rotate_period,
+            "state": state,
+            "min_encryption_version": min_encryption_version,
+        }
+        return self._run(_update_key(key, changes))
 
-    def delete_key(self, key: str) -> None:
-        self._run(_delete_key(key))
+    def delete_key(self, key: str) -> KeyMetadata | None:
+        """Delete a key that allows deletion (admin). None: deleted (204). With a waiting
+        period on the server (202): the key's metadata, ``state`` ``pending_deletion`` and its
+        ``deletion_date``; :meth:`cancel_deletion` undoes it until then."""
+        return self._run(_delete_key(key))
+
+    def cancel_deletion(self, key: str) -> KeyMetadata:
+        """Undo a scheduled deletion (admin): the key gets back the state it had."""
+        return self._run(_cancel_deletion(key))
 
     def wrapping_key(self) -> str:
         """The PEM of the RSA-4096 key that wraps imported key material (admin)."""
@@ -785,11 +806,31 @@ class AsyncCryptdClient(_Base):
         *,
         min_decryption_version: int | None = None,
         deletion_allowed: bool | None = None,
+        auto_rotate_period: int | None = None,
+        state: str | None = None,
+        min_encryption_version: int | None = None,
     ) -> KeyMetadata:
-        return await self._run(_update_key(key, min_decryption_version, deletion_allowed))
+        """Change a key's settings (admin); only the arguments given are sent. ``state``:
+        ``enabled``, ``decrypt_only`` or ``disabled``; ``min_encryption_version``: 0 (none)
+        or a version from ``min_decryption_version`` to the latest."""
+        changes = {
+            "min_decryption_version": min_decryption_version,
+            "deletion_allowed": deletion_allowed,
+            "auto_rotate_period": auto_rotate_period,
+            "state": state,
+            "min_encryption_version": min_encryption_version,
+        }
+        return await self._run(_update_key(key, changes))
 
-    async def delete_key(self, key: str) -> None:
-        await self._run(_delete_key(key))
+    async def delete_key(self, key: str) -> KeyMetadata | None:
+        """Delete a key that allows deletion (admin). None: deleted (204). With a waiting
+        period on the server (202): the key's metadata, ``state`` ``pending_deletion`` and its
+        ``deletion_date``; :meth:`cancel_deletion` undoes it until then."""
+        return await self._run(_delete_key(key))
+
+    async def cancel_deletion(self, key: str) -> KeyMetadata:
+        """Undo a scheduled deletion (admin): the key gets back the state it had."""
+        return await self._run(_cancel_deletion(key))
 
     async def wrapping_key(self) -> str:
         """The PEM of the RSA-4096 key that wraps imported key material (admin)."""

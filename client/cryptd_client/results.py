@@ -59,6 +59,10 @@ class KeyMetadata:
     deletion_allowed: bool | None = None
     derived: bool = False
     convergent: bool = False
+    state: str = "enabled"  # enabled | decrypt_only | disabled | pending_deletion
+    min_encryption_version: int = 0
+    auto_rotate_period: int = 0
+    deletion_date: str | None = None  # while pending_deletion
     versions: tuple[KeyVersion, ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -73,6 +77,10 @@ class KeyMetadata:
             deletion_allowed=data.get("deletion_allowed"),
             derived=bool(data.get("derived", False)),
             convergent=bool(data.get("convergent", False)),
+            state=str(data.get("state", "enabled")),
+            min_encryption_version=int(data.get("min_encryption_version", 0)),
+            auto_rotate_period=int(data.get("auto_rotate_period", 0)),
+            deletion_date=data.get("deletion_date"),
             versions=tuple(
                 KeyVersion(
                     version=int(v["version"]),

@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "not_found": 404,
     "method_not_allowed": 405,
     "conflict": 409,
+    "key_disabled": 409,
     "payload_too_large": 413,
     "unsupported_media_type": 415,
     "headers_too_large": 431,

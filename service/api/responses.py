@@ -84,11 +84,26 @@ class Error(_Answer):
     error: ErrorDetail
 
 
+KeyState = Annotated[
+    Literal["enabled", "decrypt_only", "disabled", "pending_deletion"],
+    Field(
+        description="enabled; decrypt_only (decrypt, verify, rewrap from it); disabled "
+        "(everything refused); pending_deletion (everything refused until deletion_date, "
+        "cancel-deletion restores the state it had)."
+    ),
+]
+MinEncryptionVersion = Annotated[
+    int, Field(ge=0, description="Lowest version new encryptions and signatures use; 0: none.")
+]
+
+
 class KeySummary(_Answer):
     name: KeyName
     type: KeyTypeName
     latest_version: Version
     min_decryption_version: Version
+    min_encryption_version: MinEncryptionVersion
+    state: KeyState
 
 
 class KeyList(_Answer):
@@ -106,6 +121,12 @@ class KeyMetadata(_Answer):
     convergent: bool = Field(description="Same plaintext, aad and context: same ciphertext.")
     auto_rotate_period: int = Field(
         ge=0, description="Seconds between automatic rotations (0: none)."
+    )
+    state: KeyState
+    min_encryption_version: MinEncryptionVersion
+    deletion_date: Timestamp | None = Field(
+        default=None,
+        description="While pending_deletion: when the key is destroyed (never served after).",
     )
 
 

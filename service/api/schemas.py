@@ -27,6 +27,7 @@ from service.engine import (
     VerifyItem,
 )
 from service.errors import InvalidRequest, SchemaError
+from service.keys.keyring import SETTABLE_STATES
 from service.keys.manager import MAX_AUTO_ROTATE_PERIOD
 
 MAX_SIGNER_ID_BYTES = 255
@@ -80,6 +81,22 @@ def _integral(value: Any) -> Any:
 
 Integer = Annotated[int, BeforeValidator(_integral)]
 VersionNumber = Annotated[Integer, Field(json_schema_extra={"minimum": 1})]
+SettableState = Annotated[
+    str,
+    Field(
+        json_schema_extra={"enum": list(SETTABLE_STATES)},
+        description="enabled; decrypt_only (decrypt, verify and rewrap from the key only); "
+        "disabled (everything refused). pending_deletion is set by DELETE.",
+    ),
+]
+MinEncryptionVersion = Annotated[
+    Integer,
+    Field(
+        json_schema_extra={"minimum": 0},
+        description="Lowest version encrypt, sign, hmac, datakey and rewrap may use; 0: none. "
+        "0, or from min_decryption_version to the latest version.",
+    ),
+]
 ExternalFormat = Annotated[
     str,
     Field(
@@ -237,6 +254,8 @@ class UpdateKeyRequest(_Body):
     min_decryption_version: VersionNumber | None = None
     deletion_allowed: bool | None = None
     auto_rotate_period: int | None = Field(default=None, ge=0, le=MAX_AUTO_ROTATE_PERIOD)
+    state: SettableState | None = None
+    min_encryption_version: MinEncryptionVersion | None = None
 
 
 def parse_update(body: bytes) -> UpdateKeyRequest:

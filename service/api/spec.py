@@ -39,8 +39,11 @@ ERROR_CODES: Mapping[str, str] = {
     "not_found": "no such route",
     "method_not_allowed": "a known route called with another method (with Allow); not "
     "listed per operation",
-    "conflict": "the key exists already; deleting a key without deletion_allowed; a "
-    "read-only keyring",
+    "conflict": "the key exists already (pending deletion included); deleting a key without "
+    "deletion_allowed; cancelling a deletion that is not scheduled; a read-only keyring",
+    "key_disabled": "the key's state refuses the operation (the message names both): "
+    "decrypt_only refuses encrypt, sign, hmac, datakey and rewrap to it; disabled refuses "
+    "every operation; pending_deletion every operation and key change but cancel-deletion",
     "payload_too_large": "body over the body limit, or a batch over the item limit",
     "unsupported_media_type": "an authenticated request whose body is not sent as "
     "application/json (parameters allowed; a charset other than UTF-8 is not)",
@@ -111,7 +114,7 @@ def _crypto(
         summary,
         request,
         {200: answer},
-        (*KEYED, *BODY, *extra),
+        (*KEYED, *BODY, "key_disabled", *extra),
         batch=batch,
     )
 
@@ -151,11 +154,18 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/keys/{key}", "create_key", "Create a key (admin)", s.CreateKeyRequest,
           {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
     Route("PATCH", "/v1/keys/{key}", "update_key", "Change a key's settings (admin)",
-          s.UpdateKeyRequest, {200: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
-    Route("DELETE", "/v1/keys/{key}", "delete_key", "Delete a key (admin)", None, {204: None},
-          MANAGE, tag="keys"),
-    Route("POST", "/v1/keys/{key}/rotate", "rotate_key", "Add a version (admin)", None,
+          s.UpdateKeyRequest, {200: r.KeyMetadata}, (*MANAGE, *BODY, "key_disabled"),
+          tag="keys"),
+    Route("DELETE", "/v1/keys/{key}", "delete_key", "Delete a key (admin)", None,
+          {204: None, 202: r.KeyMetadata}, (*MANAGE, "key_disabled"), tag="keys",
+          description="204: deleted. 202: with CRYPTD_DELETION_WAITING_PERIOD above 0, "
+          "scheduled: the key is pending_deletion until deletion_date, refuses every "
+          "operation meanwhile, and is destroyed after it."),
+    Route("POST", "/v1/keys/{key}/cancel-deletion", "cancel_key_deletion",
+          "Undo a scheduled deletion; the key gets back the state it had (admin)", None,
           {200: r.KeyMetadata}, MANAGE, tag="keys"),
+    Route("POST", "/v1/keys/{key}/rotate", "rotate_key", "Add a version (admin)", None,
+          {200: r.KeyMetadata}, (*MANAGE, "key_disabled"), tag="keys"),
     Route("GET", "/v1/keys/wrapping-key", "get_wrapping_key",
           "The RSA-4096 public key that wraps imported key material (admin)", None,
           {200: r.WrappingKeyResponse}, MANAGE, tag="keys"),
@@ -164,10 +174,10 @@ ROUTES: tuple[Route, ...] = (
           {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
     Route("POST", "/v1/keys/{key}/import-version", "import_key_version",
           "Add a version from wrapped material (admin)", s.ImportVersionRequest,
-          {200: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+          {200: r.KeyMetadata}, (*MANAGE, *BODY, "key_disabled"), tag="keys"),
     Route("GET", "/v1/keys/{key}/backup", "backup_key",
           "The key, every version and its metadata, in one blob (admin)", None,
-          {200: r.BackupResponse}, MANAGE, tag="keys"),
+          {200: r.BackupResponse}, (*MANAGE, "key_disabled"), tag="keys"),
     Route("POST", "/v1/keys/{key}/restore", "restore_key",
           "Restore a backup into a cryptd holding the same master key (admin)",
           s.RestoreKeyRequest, {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),

@@ -22,6 +22,9 @@ KEY_COMMANDS = (
     "keys",
     "key",
     "create",
+    "update",
+    "delete",
+    "cancel-deletion",
     "rotate",
     "wrapping-key",
     "import",
@@ -99,7 +102,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--bytes", type=int, default=32, help="random: how many (1 to 65536)")
     parser.add_argument("--type", help="create: key type, e.g. aes256-gcm")
-    parser.add_argument("--deletion-allowed", action="store_true", help="create: may be deleted")
+    parser.add_argument(
+        "--deletion-allowed",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_flag,
+        metavar="true|false",
+        help="create, import: may be deleted; update: true or false",
+    )
+    parser.add_argument(
+        "--state", help="update: enabled | decrypt_only | disabled (DELETE schedules deletion)"
+    )
+    parser.add_argument("--min-decryption-version", type=int, help="update")
+    parser.add_argument(
+        "--min-encryption-version", type=int, help="update: 0 (none) or a key version"
+    )
+    parser.add_argument("--auto-rotate-period", type=int, help="update: seconds (0: off)")
     parser.add_argument("--derived", action="store_true", help="create: a key per context (HKDF)")
     parser.add_argument(
         "--convergent",
@@ -110,6 +129,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--raw", action="store_true", help="decrypt: write the plaintext bytes, not JSON"
     )
     parser.set_defaults(func=_call)
+
+
+def _flag(text: str) -> bool:
+    value = {"true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError("expected true or false")
+    return value
 
 
 def _read_input(args: argparse.Namespace) -> bytes:
@@ -235,11 +261,27 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
         created = client.create_key(
             key,
             args.type,
-            args.deletion_allowed,
+            bool(args.deletion_allowed),
             derived=args.derived,
             convergent=args.convergent,
         )
         return _metadata(created), 0
+    if op == "update":
+        updated = client.update_key(
+            key,
+            min_decryption_version=args.min_decryption_version,
+            deletion_allowed=args.deletion_allowed,
+            auto_rotate_period=args.auto_rotate_period,
+            state=args.state,
+            min_encryption_version=args.min_encryption_version,
+        )
+        return _metadata(updated), 0
+    if op == "delete":
+        pending = client.delete_key(key)
+        # Deleted at once: {"deleted": name}; scheduled: the pending key's metadata.
+        return ({"deleted": key} if pending is None else _metadata(pending)), 0
+    if op == "cancel-deletion":
+        return _metadata(client.cancel_deletion(key)), 0
     if op == "rotate":
         return _metadata(client.rotate_key(key)), 0
     if op == "wrapping-key":
@@ -251,7 +293,7 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
             key,
             args.type,
             wire_material(data, args.type),
-            deletion_allowed=args.deletion_allowed,
+            deletion_allowed=bool(args.deletion_allowed),
             derived=args.derived,
             convergent=args.convergent,
         )

@@ -108,6 +108,8 @@ def update(args: argparse.Namespace) -> int:
         min_decryption_version=args.min_decryption_version,
         deletion_allowed=args.deletion_allowed,
         auto_rotate_period=args.auto_rotate_period,
+        state=args.state,
+        min_encryption_version=args.min_encryption_version,
     )
     _print(key.metadata())
     return 0
@@ -115,7 +117,7 @@ def update(args: argparse.Namespace) -> int:
 
 def list_keys(args: argparse.Namespace) -> int:
     keyring = _manager(args).keyring
-    _print({"keys": [keyring[name].metadata() for name in sorted(keyring)]})
+    _print({"keys": [key.metadata() for key in keyring.live()]})
     return 0
 
 
@@ -176,6 +178,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--min-decryption-version", type=int)
     p.add_argument("--deletion-allowed", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--auto-rotate-period", type=int, help="seconds (0: off)")
+    p.add_argument(
+        "--state", choices=("enabled", "decrypt_only", "disabled"), help="the key's state"
+    )
+    p.add_argument(
+        "--min-encryption-version", type=int, help="lowest version to encrypt with (0: none)"
+    )
     p.set_defaults(func=update)
 
     p = actions.add_parser("list", parents=[common], help="list keys")

@@ -24,7 +24,14 @@ import orjson
 
 from service.crypto.registry import KEY_TYPES
 from service.errors import InvalidRequest
-from service.keys.keyring import check_key_flags, check_stored_name
+from service.keys.keyring import (
+    ENABLED,
+    PENDING_DELETION,
+    SETTABLE_STATES,
+    STATES,
+    check_key_flags,
+    check_stored_name,
+)
 
 FORMAT_V1 = "cryptd-keyring/1"  # no deployment id and no generation; read, never written
 FORMAT = "cryptd-keyring/2"
@@ -86,6 +93,14 @@ class KeyRecord:
     # Set at creation, never changed; written only when true (section 8 of docs/FORMAT.md).
     derived: bool = field(default=False, metadata={"omit_default": True})
     convergent: bool = field(default=False, metadata={"omit_default": True})
+    # Written only when not the default, so a keyring that uses none of them stays readable
+    # by a cryptd from before they existed, and one that does is refused by it (an unknown
+    # field) instead of being served without its restriction.
+    state: str = field(default=ENABLED, metadata={"omit_default": True})
+    min_encryption_version: int = field(default=0, metadata={"omit_default": True})
+    # While pending_deletion: when the material is destroyed, and the state to go back to.
+    deletion_date: str | None = field(default=None, metadata={"omit_default": True})
+    state_before_deletion: str | None = field(default=None, metadata={"omit_default": True})
 
     @property
     def latest_version(self) -> int:
@@ -102,6 +117,25 @@ class KeyRecord:
             raise MalformedDocument(f"{where}: min_decryption_version out of range")
         if self.auto_rotate_period < 0:
             raise MalformedDocument(f"{where}: auto_rotate_period is negative")
+        if self.state not in STATES:
+            raise MalformedDocument(f"{where}: unknown state {self.state[:40]!r}")
+        if self.min_encryption_version != 0 and not (
+            self.min_decryption_version <= self.min_encryption_version <= numbers[-1]
+        ):
+            raise MalformedDocument(f"{where}: min_encryption_version out of range")
+        pending = self.state == PENDING_DELETION
+        if pending != (self.deletion_date is not None) or pending != (
+            self.state_before_deletion is not None
+        ):
+            raise MalformedDocument(
+                f"{where}: deletion_date and state_before_deletion go with pending_deletion"
+            )
+        if self.deletion_date is not None:
+            _timestamp(self.deletion_date, f"{where} deletion_date")
+        if self.state_before_deletion is not None and (
+            self.state_before_deletion not in SETTABLE_STATES
+        ):
+            raise MalformedDocument(f"{where}: state_before_deletion is not a state to restore")
         try:
             check_key_flags(KEY_TYPES[self.type], derived=self.derived, convergent=self.convergent)
         except InvalidRequest as exc:

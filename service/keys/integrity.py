@@ -3,10 +3,11 @@ from a verified document. Every store hands its content here and nothing is serv
 that did not pass :func:`open_document`, so no store can launder what it cannot verify.
 
 What a writer without the master key cannot do unnoticed: change any metadata (lower
-``min_decryption_version``, allow deletion), move material between keys or versions, remove a
-key or a version, present another deployment's keyring (another master key: its id; the same
-master key: the deployment id, refused by a process that already serves this deployment), or
-roll a running process back to an older valid snapshot (the generation, which only rises).
+``min_decryption_version``, allow deletion, enable a disabled key, move a deletion date),
+move material between keys or versions, remove a key or a version, present another
+deployment's keyring (another master key: its id; the same master key: the deployment id,
+refused by a process that already serves this deployment), or roll a running process back
+to an older valid snapshot (the generation, which only rises).
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def build_keyring(
             auto_rotate_period=record.auto_rotate_period,
             derived=record.derived,
             convergent=record.convergent,
+            state=record.state,
+            min_encryption_version=record.min_encryption_version,
+            deletion_date=record.deletion_date,
         )
     return Keyring(
         keys,

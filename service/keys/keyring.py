@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from service.crypto import derived as derivation
 from service.crypto.base import KeyHandle, KeyType
-from service.errors import InvalidRequest, KeyNotFound
+from service.errors import InvalidRequest, KeyDisabled, KeyNotFound
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")
 # The token's associated data holds the version as a u32 (docs/FORMAT.md): no key version can
@@ -23,9 +23,38 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")
 MAX_KEY_VERSION = 2**32 - 1
 
 
+# Key states (docs/FORMAT.md section 6): what each lets a key do. ``decrypt_only`` keeps the
+# key's existing data readable (decrypt, verify, rewrap *from* it) and refuses anything that
+# makes new data under it; ``disabled`` refuses everything and is undone by PATCH;
+# ``pending_deletion`` is set by DELETE with a waiting period and undone by cancel-deletion.
+ENABLED = "enabled"
+DECRYPT_ONLY = "decrypt_only"
+DISABLED = "disabled"
+PENDING_DELETION = "pending_deletion"
+STATES = (ENABLED, DECRYPT_ONLY, DISABLED, PENDING_DELETION)
+SETTABLE_STATES = (ENABLED, DECRYPT_ONLY, DISABLED)  # through PATCH
+# Uses a decrypt_only key allows: reading what exists. "rewrap" is rewrap *from* the key.
+READING_USES = frozenset({"decrypt", "verify", "rewrap"})
+
+
+def check_state(name: str, state: str, use: str, deletion_date: str | None = None) -> None:
+    """Refuse (409 key_disabled) ``use`` of a key in ``state``; the message names both."""
+    if state == ENABLED or (state == DECRYPT_ONLY and use in READING_USES):
+        return
+    message = f"key {name!r} is {state}: {use} is refused"
+    if state == PENDING_DELETION:
+        message += f" (deletion scheduled for {deletion_date}; cancel-deletion restores it)"
+    raise KeyDisabled(message)
+
+
 def parse_time(text: str) -> float:
     """Seconds since the epoch of an RFC 3339 UTC time as keyrings store it (``...Z``)."""
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def format_time(seconds: float) -> str:
+    """The RFC 3339 UTC text (whole seconds, ``Z``) keyrings store for a time."""
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # Keys the service keeps for itself (an import wrapping key): stored and authenticated like any
@@ -120,6 +149,18 @@ class Key:
     derived: bool = False  # every operation takes a context (a key per context, HKDF)
     convergent: bool = False  # derived encryption with a deterministic nonce
     auto_rotate_period: int = 0
+    state: str = ENABLED
+    min_encryption_version: int = 0  # 0: no floor (Vault's meaning)
+    deletion_date: str | None = None  # while pending_deletion: when the material goes
+
+    def check_use(self, use: str) -> None:
+        """Refuse (409) ``use`` (an operation, or "rewrap to") the key's state does not allow."""
+        if self.state != ENABLED:
+            check_state(self.name, self.state, use, self.deletion_date)
+
+    def destroyed(self, now: float) -> bool:
+        """Past its deletion date: gone, whether or not the material is destroyed yet."""
+        return self.deletion_date is not None and now >= parse_time(self.deletion_date)
 
     def active_version(self, now: float | None = None) -> int:
         """The version new encryptions and signatures use: the newest one older than the
@@ -137,17 +178,26 @@ class Key:
     def latest_version(self) -> int:
         return max(self.versions)
 
-    def version(self, requested: int | None = None) -> KeyVersion:
+    def version(self, requested: int | None = None, *, encrypting: bool = False) -> KeyVersion:
         """The version to use: the latest by default. Refuses versions below 1 or below
-        ``min_decryption_version`` (400) and versions that do not exist (404)."""
+        ``min_decryption_version`` (400) and versions that do not exist (404). ``encrypting``
+        (encrypt, sign, hmac, datakey, rewrap's target) also refuses versions below
+        ``min_encryption_version`` (400), as Vault Transit does."""
         if requested is None:
             requested = max(self.active_version(), self.min_decryption_version)
+            if encrypting:
+                requested = max(requested, self.min_encryption_version)
         if requested < 1 or requested > MAX_KEY_VERSION:
             raise InvalidRequest(f"key_version must be from 1 to {MAX_KEY_VERSION}")
         if requested < self.min_decryption_version:
             raise InvalidRequest(
                 f"key version {requested} is below min_decryption_version "
                 f"{self.min_decryption_version}"
+            )
+        if encrypting and requested < self.min_encryption_version:
+            raise InvalidRequest(
+                f"key version {requested} is below min_encryption_version "
+                f"{self.min_encryption_version}"
             )
         found = self.versions.get(requested)
         if found is None:
@@ -165,11 +215,15 @@ class Key:
             "derived": self.derived,
             "convergent": self.convergent,
             "auto_rotate_period": self.auto_rotate_period,
+            "state": self.state,
+            "min_encryption_version": self.min_encryption_version,
+            **({} if self.deletion_date is None else {"deletion_date": self.deletion_date}),
         }
 
     def rotation_due(self, now: float) -> bool:
-        """Automatic rotation: the newest version is older than ``auto_rotate_period``."""
-        if self.auto_rotate_period <= 0:
+        """Automatic rotation: the newest version is older than ``auto_rotate_period``. Only
+        enabled keys rotate: a retired key gets no new material."""
+        if self.auto_rotate_period <= 0 or self.state != ENABLED:
             return False
         return now >= self.versions[self.latest_version].created_ts + self.auto_rotate_period
 
@@ -223,9 +277,15 @@ class Keyring(Mapping[str, Key]):
         return len(self._keys)
 
     def key(self, name: str) -> Key:
-        """The key called ``name``: 400 for an invalid name, 404 for an unknown one."""
+        """The key called ``name``: 400 for an invalid name, 404 for an unknown one, or one
+        past its deletion date (never served, even before its material is destroyed)."""
         check_key_name(name)
         found = self._keys.get(name)
-        if found is None:
+        if found is None or (found.deletion_date is not None and found.destroyed(time.time())):
             raise KeyNotFound(f"key {name!r} not found")
         return found
+
+    def live(self, now: float | None = None) -> list[Key]:
+        """Every key not past its deletion date, by name."""
+        moment = time.time() if now is None else now
+        return [self._keys[n] for n in sorted(self._keys) if not self._keys[n].destroyed(moment)]

@@ -11,6 +11,7 @@ snapshot as they were. A refresh that fails keeps the previous snapshot and reco
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -39,12 +40,17 @@ from service.keys.integrity import (
     seal,
 )
 from service.keys.keyring import (
+    ENABLED,
     INTERNAL_PREFIX,
+    PENDING_DELETION,
+    SETTABLE_STATES,
     Key,
     Keyring,
     check_key_flags,
     check_key_name,
+    check_state,
     check_stored_name,
+    format_time,
     is_internal,
     parse_time,
 )
@@ -64,6 +70,8 @@ _UNSET = object()
 # Vault Transit's floor for automatic rotation; development servers accept any period.
 MIN_AUTO_ROTATE_PERIOD = 3600
 MAX_AUTO_ROTATE_PERIOD = 10 * 366 * 86400
+# How long DELETE may wait before the material is destroyed (AWS KMS: 7 to 30 days).
+MAX_DELETION_WAITING_PERIOD = 366 * 86400
 # The periodic check compares a stamp (a stat, the header row); this often it reads and
 # verifies the whole store anyway, so rows changed behind the service's back show in /readyz.
 FULL_CHECK_INTERVAL = 60.0
@@ -94,7 +102,13 @@ class KeyManager:
         on_reload: Callable[[bool], None] | None = None,
         expected_deployment: str | None = None,
         min_auto_rotate_period: int = MIN_AUTO_ROTATE_PERIOD,
+        deletion_waiting_period: int = 0,
+        on_destroy: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``deletion_waiting_period`` (seconds): 0 deletes at once; above, :meth:`delete`
+        schedules the deletion that :meth:`run_due` carries out once the date has passed.
+        ``on_destroy(name, deletion_date)`` is told of every key whose material this process
+        destroyed (for the audit log)."""
         self.store: KeyStore = FileKeyStore(store) if isinstance(store, Path) else store
         self._master = master
         self._read_only = read_only
@@ -102,6 +116,10 @@ class KeyManager:
         self._on_reload = on_reload
         self._expected_deployment = expected_deployment
         self._min_auto_rotate_period = min_auto_rotate_period
+        if not 0 <= deletion_waiting_period <= MAX_DELETION_WAITING_PERIOD:
+            raise ValueError("the deletion waiting period is out of range")
+        self.deletion_waiting_period = deletion_waiting_period
+        self._on_destroy = on_destroy
         self._lock = threading.Lock()  # one change or refresh at a time in this process
         self._stamp: object = _UNSET
         self._verified_at = float("-inf")  # monotonic time of the last full read
@@ -303,9 +321,10 @@ class KeyManager:
         # Generated before the store's lock is taken: an RSA-4096 key takes seconds.
         fresh = material if material is not None else KEY_TYPES[type_name].generate()
 
+        destroyed: list[tuple[str, str]] = []
+
         def change(document: KeyringDocument) -> None:
-            if name in document.keys:
-                raise Conflict(f"key {name!r} already exists")
+            _claim_name(document, name, destroyed)
             document.keys[name] = KeyRecord(
                 type=type_name,
                 created_at=utc_now(),
@@ -316,7 +335,9 @@ class KeyManager:
                 convergent=convergent,
             )
 
-        return self._mutate(change)[0][name]
+        created = self._mutate(change)[0][name]
+        self._destroyed(destroyed)
+        return created
 
     def rotate(self, name: str, *, material: bytes | None = None) -> Key:
         check_key_name(name)
@@ -339,42 +360,122 @@ class KeyManager:
         min_decryption_version: int | None = None,
         deletion_allowed: bool | None = None,
         auto_rotate_period: int | None = None,
+        state: str | None = None,
+        min_encryption_version: int | None = None,
     ) -> Key:
+        """Change a key's settings; the result is checked as a whole (Vault Transit's rules:
+        ``min_encryption_version`` is 0 or between ``min_decryption_version`` and the latest
+        version). A key pending deletion changes nothing until its deletion is cancelled."""
+        return self.update_with_previous(
+            name,
+            min_decryption_version=min_decryption_version,
+            deletion_allowed=deletion_allowed,
+            auto_rotate_period=auto_rotate_period,
+            state=state,
+            min_encryption_version=min_encryption_version,
+        )[0]
+
+    def update_with_previous(
+        self,
+        name: str,
+        *,
+        min_decryption_version: int | None = None,
+        deletion_allowed: bool | None = None,
+        auto_rotate_period: int | None = None,
+        state: str | None = None,
+        min_encryption_version: int | None = None,
+    ) -> tuple[Key, str]:
+        """:meth:`update`, and the state the key had before (for the audit log)."""
         check_key_name(name)
-        if (
-            min_decryption_version is None
-            and deletion_allowed is None
-            and (auto_rotate_period is None)
-        ):
+        changes = (
+            min_decryption_version,
+            deletion_allowed,
+            auto_rotate_period,
+            state,
+            min_encryption_version,
+        )
+        if all(value is None for value in changes):
             raise InvalidRequest(
-                "nothing to change: send min_decryption_version, deletion_allowed or "
-                "auto_rotate_period"
+                "nothing to change: send min_decryption_version, deletion_allowed, "
+                "auto_rotate_period, state or min_encryption_version"
             )
         self._check_period(auto_rotate_period)
+        if state is not None and state not in SETTABLE_STATES:
+            hint = " (DELETE schedules a deletion)" if state == PENDING_DELETION else ""
+            raise InvalidRequest(f"state must be one of {', '.join(SETTABLE_STATES)}{hint}")
+        if min_encryption_version is not None and min_encryption_version < 0:
+            raise InvalidRequest("min_encryption_version must be 0 (none) or a key version")
+        previous: list[str] = []
 
         def change(document: KeyringDocument) -> None:
-            record = _record(document, name)
+            record = _live_record(document, name)
+            previous.append(record.state)
+            _not_pending(name, record, "update")
+            latest = record.latest_version
             if min_decryption_version is not None:
-                latest = record.latest_version
                 if not 1 <= min_decryption_version <= latest:
                     raise InvalidRequest(f"min_decryption_version must be between 1 and {latest}")
                 record.min_decryption_version = min_decryption_version
+            if min_encryption_version is not None:
+                if min_encryption_version > latest:
+                    raise InvalidRequest(
+                        f"min_encryption_version must be 0 (none) or at most {latest}, the "
+                        "latest version"
+                    )
+                record.min_encryption_version = min_encryption_version
+            floor = record.min_encryption_version
+            if floor and floor < record.min_decryption_version:
+                raise InvalidRequest(
+                    f"min_encryption_version ({floor}) must be 0 or at least "
+                    f"min_decryption_version ({record.min_decryption_version})"
+                )
             if deletion_allowed is not None:
                 record.deletion_allowed = deletion_allowed
             if auto_rotate_period is not None:
                 record.auto_rotate_period = auto_rotate_period
+            if state is not None:
+                record.state = state
 
-        return self._mutate(change)[0][name]
+        key = self._mutate(change)[0][name]
+        return key, previous[-1]
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str) -> Key | None:
+        """Delete a key that allows it: at once without a waiting period (None), else mark
+        it ``pending_deletion`` until the waiting period has passed and return it (the state
+        it had is kept for :meth:`cancel_deletion`)."""
+        check_key_name(name)
+        period = self.deletion_waiting_period
+
+        def change(document: KeyringDocument) -> None:
+            record = _live_record(document, name)
+            _not_pending(name, record, "delete")
+            if not record.deletion_allowed:
+                raise Conflict(f"key {name!r} does not allow deletion")
+            if period <= 0:
+                del document.keys[name]
+                return
+            # Rounded up to the second the document stores: never a moment early.
+            record.deletion_date = format_time(math.ceil(time.time()) + period)
+            record.state_before_deletion = record.state
+            record.state = PENDING_DELETION
+
+        keyring, _ = self._mutate(change)
+        return None if period <= 0 else keyring[name]
+
+    def cancel_deletion(self, name: str) -> Key:
+        """Undo a scheduled deletion before its date: the key returns to the state it had
+        (409 conflict when none is scheduled; 404 once the date has passed)."""
         check_key_name(name)
 
         def change(document: KeyringDocument) -> None:
-            if not _record(document, name).deletion_allowed:
-                raise Conflict(f"key {name!r} does not allow deletion")
-            del document.keys[name]
+            record = _live_record(document, name)
+            if record.state != PENDING_DELETION or record.state_before_deletion is None:
+                raise Conflict(f"key {name!r} is not scheduled for deletion")
+            record.state = record.state_before_deletion
+            record.state_before_deletion = None
+            record.deletion_date = None
 
-        self._mutate(change)
+        return self._mutate(change)[0][name]
 
     def ensure_internal_key(self, name: str, type_name: str) -> Key:
         """The internal key ``name`` (``cryptd:...``), created in one store transaction if no
@@ -402,8 +503,9 @@ class KeyManager:
         backup; the caller wraps it before it leaves the process)."""
         check_stored_name(name)
         record = None if self._document is None else self._document.keys.get(name)
-        if record is None:
+        if record is None or _past_date(record, time.time()):
             raise KeyNotFound(f"key {name!r} not found")
+        _not_pending(name, record, "backup")
         versions = tuple(
             (
                 v.version,
@@ -448,56 +550,143 @@ class KeyManager:
         except MalformedDocument as exc:
             raise InvalidRequest(f"the key record is invalid ({exc})") from None
 
+        destroyed: list[tuple[str, str]] = []
+
         def change(document: KeyringDocument) -> None:
-            if target in document.keys:
-                raise Conflict(f"key {target!r} already exists")
+            _claim_name(document, target, destroyed)
             document.keys[target] = record
 
-        return self._mutate(change)[0][target]
+        imported = self._mutate(change)[0][target]
+        self._destroyed(destroyed)
+        return imported
 
-    # Automatic rotation -------------------------------------------------------------------
+    # Scheduled work: automatic rotation, destruction after the waiting period -------------
 
     def due_for_rotation(self, now: float | None = None) -> list[str]:
         """Keys whose automatic rotation is due in the snapshot served now."""
         moment = time.time() if now is None else now
         return sorted(name for name, key in self.keyring.items() if key.rotation_due(moment))
 
+    def due_for_destruction(self, now: float | None = None) -> list[str]:
+        """Keys past their deletion date in the snapshot served now."""
+        moment = time.time() if now is None else now
+        return sorted(name for name, key in self.keyring.items() if key.destroyed(moment))
+
+    def has_due_work(self) -> bool:
+        """Cheap (a look at the snapshot): is a rotation or a destruction due?"""
+        now = time.time()
+        return any(k.rotation_due(now) or k.destroyed(now) for k in self.keyring.values())
+
     def rotate_due(self) -> list[tuple[str, int]]:
-        """Rotate every key that is due, if this process wins the store's rotation lock (one
-        process of all replicas does). Dueness is checked again on the document read inside
-        each transaction, so a key rotated meanwhile elsewhere is not rotated twice."""
-        if self._read_only or not self.due_for_rotation():
-            return []
+        """Rotate every key that is due (see :meth:`run_due`)."""
+        return self.run_due()[0]
+
+    def run_due(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """Rotate every key that is due and destroy every key past its deletion date, if this
+        process wins the store's scheduling lock (one process of all replicas does): the
+        rotated (name, version) and the destroyed names. Dueness is checked again on the
+        document read inside each transaction, so nothing done meanwhile elsewhere is done
+        twice."""
+        if self._read_only or not self.has_due_work():
+            return [], []
         rotated: list[tuple[str, int]] = []
+        destroyed: list[tuple[str, str]] = []
+        # The lock keeps its name from before destruction was scheduled here: a replica of
+        # the previous release and one of this release never rotate at the same time.
         with self.store.try_lock("rotate") as held:
             if not held:
-                return []
-            for name in self.due_for_rotation():
-                key_type = self.keyring[name].type
-                fresh = (key_type.name, key_type.generate())
+                return [], []
+            try:
+                for name in self.due_for_rotation():
+                    version = self._rotate_if_due(name)
+                    if version is not None:
+                        rotated.append((name, version))
+                if self.due_for_destruction():
+                    self._destroy_due(destroyed)
+            except KeystoreUnavailable:
+                pass  # logged by _mutate's caller path; the next round tries again
+        self._destroyed(destroyed)
+        return rotated, [name for name, _ in destroyed]
 
-                def change(
-                    document: KeyringDocument, name: str = name, fresh: Material = fresh
-                ) -> int | None:
-                    record = document.keys.get(name)
-                    if record is None or not _due(record, time.time()):
-                        return None
-                    return _rotate(self, document, name, fresh)
+    def _rotate_if_due(self, name: str) -> int | None:
+        key_type = self.keyring[name].type
+        fresh = (key_type.name, key_type.generate())
 
-                try:
-                    _, version = self._mutate(change)
-                except KeystoreUnavailable:
-                    break
-                if version is not None:
-                    rotated.append((name, version))
-                    log.info(
-                        "key rotated automatically", extra={"key": name, "key_version": version}
-                    )
-        return rotated
+        def change(document: KeyringDocument) -> int | None:
+            record = document.keys.get(name)
+            if record is None or not _due(record, time.time()):
+                return None
+            return _rotate(self, document, name, fresh)
+
+        _, version = self._mutate(change)
+        if version is not None:
+            log.info("key rotated automatically", extra={"key": name, "key_version": version})
+        return version
+
+    def _destroy_due(self, destroyed: list[tuple[str, str]]) -> None:
+        """Remove, in one transaction, every key whose deletion date has passed in the
+        document read inside it (a deletion cancelled meanwhile is kept)."""
+
+        def change(document: KeyringDocument) -> None:
+            now = time.time()
+            for name in sorted(document.keys):
+                _drop_if_past(document, name, now, destroyed)
+
+        self._mutate(change)
+
+    def _destroyed(self, destroyed: list[tuple[str, str]]) -> None:
+        """Tell of keys destroyed by a committed change (log and ``on_destroy``)."""
+        for name, date in destroyed:
+            log.info("key material destroyed", extra={"key": name, "deletion_date": date})
+            if self._on_destroy is not None:
+                self._on_destroy(name, date)
+
+
+def _past_date(record: KeyRecord, now: float) -> bool:
+    return record.deletion_date is not None and now >= parse_time(record.deletion_date)
+
+
+def _drop_if_past(
+    document: KeyringDocument, name: str, now: float, destroyed: list[tuple[str, str]]
+) -> bool:
+    """Remove ``name`` from the document if its deletion date has passed."""
+    record = document.keys.get(name)
+    if record is None or record.deletion_date is None or not _past_date(record, now):
+        return False
+    del document.keys[name]
+    destroyed.append((name, record.deletion_date))
+    return True
+
+
+def _claim_name(document: KeyringDocument, name: str, destroyed: list[tuple[str, str]]) -> None:
+    """Make room for a new key called ``name``: refused (409) while a key holds it, pending
+    deletion included; a key past its deletion date is destroyed in the same transaction."""
+    _drop_if_past(document, name, time.time(), destroyed)
+    record = document.keys.get(name)
+    if record is None:
+        return
+    if record.state == PENDING_DELETION:
+        raise Conflict(
+            f"key {name!r} already exists (pending deletion until {record.deletion_date})"
+        )
+    raise Conflict(f"key {name!r} already exists")
+
+
+def _live_record(document: KeyringDocument, name: str) -> KeyRecord:
+    """The record called ``name``; 404 also for one past its deletion date."""
+    record = _record(document, name)
+    if _past_date(record, time.time()):
+        raise KeyNotFound(f"key {name!r} not found")
+    return record
+
+
+def _not_pending(name: str, record: KeyRecord, use: str) -> None:
+    if record.state == PENDING_DELETION:
+        check_state(name, record.state, use, record.deletion_date)
 
 
 def _due(record: KeyRecord, now: float) -> bool:
-    if record.auto_rotate_period <= 0:
+    if record.auto_rotate_period <= 0 or record.state != ENABLED:
         return False
     latest = max(record.versions, key=lambda v: v.version)
     return now >= parse_time(latest.created_at) + record.auto_rotate_period
@@ -518,7 +707,8 @@ def _rotate(
     replicas rotating at once get two distinct versions, one after the other. Material made
     before the lock for another type (the key was deleted and created again meanwhile) is
     not used; imported material for another type is refused."""
-    record = _record(document, name)
+    record = _live_record(document, name)
+    _not_pending(name, record, "rotate")
     material = fresh[1] if fresh is not None and fresh[0] == record.type else None
     if imported and material is None:
         raise Conflict(f"key {name!r} is not of the type the imported material was made for")

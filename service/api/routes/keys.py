@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -25,7 +26,14 @@ def _not_reserved(key: str) -> None:
         raise StarletteHTTPException(405)
 
 
-def _audit(request: Request, event: str, key: str, outcome: str, version: int | None) -> None:
+def _audit(
+    request: Request,
+    event: str,
+    key: str,
+    outcome: str,
+    version: int | None,
+    detail: Mapping[str, Any] | None = None,
+) -> None:
     deps.services(request).audit.record(
         f"key.{event}",
         client=deps.client_id(request),
@@ -33,14 +41,20 @@ def _audit(request: Request, event: str, key: str, outcome: str, version: int | 
         outcome=outcome,
         key_version=version,
         request_id=request.scope.get("state", {}).get("request_id"),
+        detail=detail,
     )
 
 
 async def manage(
-    request: Request, event: str, key: str, change: Callable[[], Key | None]
+    request: Request,
+    event: str,
+    key: str,
+    change: Callable[[], Key | None],
+    outcome: Callable[[Key | None], tuple[str, Mapping[str, Any] | None]] | None = None,
 ) -> Key | None:
     """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
-    the file write fsyncs) and audit it, whatever the outcome."""
+    the file write fsyncs) and audit it, whatever the outcome. ``outcome(result)`` gives the
+    audit line's outcome and detail (default: ok, none)."""
     check_key_name(key)
     deps.note(request, key=key, operation=event)
     try:
@@ -49,7 +63,8 @@ async def manage(
     except CryptdError as exc:
         _audit(request, event, key, exc.code, None)
         raise
-    _audit(request, event, key, "ok", None if result is None else result.latest_version)
+    status, detail = ("ok", None) if outcome is None else outcome(result)
+    _audit(request, event, key, status, None if result is None else result.latest_version, detail)
     return result
 
 
@@ -62,9 +77,11 @@ async def list_keys(request: Request) -> Response:
             "type": key.type.name,
             "latest_version": key.latest_version,
             "min_decryption_version": key.min_decryption_version,
+            "min_encryption_version": key.min_encryption_version,
+            "state": key.state,
         }
-        for name, key in sorted(keyring.items())
-        if deps.may_read(request, name)
+        for key in keyring.live()
+        if deps.may_read(request, key.name)
     ]
     return json_response({"keys": keys})
 
@@ -115,24 +132,61 @@ async def update_key(request: Request, key: str) -> Response:
     check_key_name(key)
     body = parse_update(await request.body())
     manager = deps.services(request).keys
-    updated = await manage(
-        request,
-        "update",
-        key,
-        lambda: manager.update(
+    previous: list[str] = []
+
+    def change() -> Key:
+        updated, before = manager.update_with_previous(
             key,
             min_decryption_version=body.min_decryption_version,
             deletion_allowed=body.deletion_allowed,
             auto_rotate_period=body.auto_rotate_period,
-        ),
-    )
+            state=body.state,
+            min_encryption_version=body.min_encryption_version,
+        )
+        previous.append(before)
+        return updated
+
+    updated = await manage(request, "update", key, change)
     assert updated is not None
+    if previous and previous[0] != updated.state:
+        _audit(
+            request,
+            "state",
+            key,
+            "ok",
+            updated.latest_version,
+            {"state": updated.state, "previous_state": previous[0]},
+        )
     return json_response(updated.metadata())
+
+
+def _scheduled(result: Key | None) -> tuple[str, Mapping[str, Any] | None]:
+    if result is None:
+        return "ok", None
+    return "scheduled", {"deletion_date": result.deletion_date}
 
 
 @router.delete("/{key}", status_code=204)
 async def delete_key(request: Request, key: str) -> Response:
+    """204 when deleted at once; 202 with the metadata (``pending_deletion``, its
+    ``deletion_date``) when CRYPTD_DELETION_WAITING_PERIOD schedules it."""
     _not_reserved(key)
     manager = deps.services(request).keys
-    await manage(request, "delete", key, lambda: manager.delete(key))
-    return Response(status_code=204)
+    pending = await manage(request, "delete", key, lambda: manager.delete(key), _scheduled)
+    if pending is None:
+        return Response(status_code=204)
+    return json_response(pending.metadata(), status=202)
+
+
+def _restored(result: Key | None) -> tuple[str, Mapping[str, Any] | None]:
+    return "ok", None if result is None else {"state": result.state}
+
+
+@router.post("/{key}/cancel-deletion")
+async def cancel_deletion(request: Request, key: str) -> Response:
+    manager = deps.services(request).keys
+    restored = await manage(
+        request, "cancel_deletion", key, lambda: manager.cancel_deletion(key), _restored
+    )
+    assert restored is not None
+    return json_response(restored.metadata())
