@@ -60,6 +60,14 @@ check_server_environment() {
         fi
         require_file CRYPTD_CLIENTS_FILE
     fi
+    # The server's certificate, key and client CA (the Secret cryptd-tls), when configured: a
+    # Secret not mounted yet is named here, not reported by OpenSSL as a bare "PEM lib".
+    local tls_var
+    for tls_var in CRYPTD_TLS_CERT_FILE CRYPTD_TLS_KEY_FILE CRYPTD_TLS_CLIENT_CA_FILE; do
+        if [[ -n "${!tls_var:-}" ]]; then
+            require_file "$tls_var"
+        fi
+    done
 
     export TMPDIR="${TMPDIR:-/tmp}"
     require_writable_dir TMPDIR

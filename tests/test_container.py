@@ -595,6 +595,38 @@ def test_entrypoint_refuses_a_missing_secret_file(sandbox: Sandbox, variable: st
     assert message.startswith("cryptd-entrypoint: error:")
 
 
+@pytest.mark.parametrize(
+    "variable", ["CRYPTD_TLS_CERT_FILE", "CRYPTD_TLS_KEY_FILE", "CRYPTD_TLS_CLIENT_CA_FILE"]
+)
+def test_entrypoint_checks_the_tls_files_it_is_given(sandbox: Sandbox, variable: str) -> None:
+    mount = sandbox.root / "secrets" / "tls"
+    files = {
+        "CRYPTD_TLS_CERT_FILE": "tls.crt",
+        "CRYPTD_TLS_KEY_FILE": "tls.key",
+        "CRYPTD_TLS_CLIENT_CA_FILE": "ca.crt",
+    }
+    data = mount / "..2026_01_01_00_00_00.000000001"
+    data.mkdir(parents=True)
+    (mount / "..data").symlink_to(data.name)
+    for name in files.values():
+        (data / name).write_text("-----BEGIN CERTIFICATE-----\n")
+        (data / name).chmod(0o444)
+        (mount / name).symlink_to(f"..data/{name}")
+    settings = {v: str(mount / name) for v, name in files.items()}
+    assert _forwarded(sandbox.run(**settings))[1:] == ["serve"]
+    # Not mounted (cert-manager has not issued it yet), or empty: named, never started.
+    missing = sandbox.root / "secrets" / "absent" / files[variable]
+    result = sandbox.run(**{**settings, variable: str(missing)})
+    assert result.returncode == EX_CONFIG
+    assert result.stdout == b"", "cryptd must not start"
+    assert f"{variable}={missing} does not exist (is the Secret mounted?)" in result.stderr.decode()
+    (data / files[variable]).chmod(0o644)
+    (data / files[variable]).write_text("")
+    result = sandbox.run(**settings)
+    assert result.returncode == EX_CONFIG
+    assert f"{variable}={mount / files[variable]} is empty" in result.stderr.decode()
+
+
 def test_entrypoint_refuses_an_unset_master_key(sandbox: Sandbox) -> None:
     result = sandbox.run(CRYPTD_MASTER_KEY_FILE="")
     assert result.returncode == EX_CONFIG

@@ -27,6 +27,7 @@ Without CRYPTD_IMAGE_DIR the module skips, except under CI=true, where it fails.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -168,6 +169,7 @@ class Container:
     config_maps: dict[str, dict[str, str]] = field(default_factory=_base_config_maps)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    generations: dict[str, int] = field(default_factory=dict)  # of Secrets updated since start
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -223,6 +225,29 @@ class Container:
         args = self.spec["args"] if "args" in self.spec else self.image.config.get("Cmd") or []
         return [*entrypoint, *args]
 
+    def _publish(self, name: str, generation: int = 1) -> Path:
+        """Write Secret ``name`` on the host the way the kubelet does (its atomic writer; the
+        volume's mode, group-owned by the fsGroup); the container sees it through a bind
+        mount, so a later generation is an update of the Secret the kubelet synced."""
+        volume = next(
+            v for v in self.pod["volumes"] if v.get("secret", {}).get("secretName") == name
+        )
+        source = self.work / "secrets" / name
+        publish_secret(source, self.secrets[name], generation)
+        fs_group = self.pod["securityContext"]["fsGroup"]
+        mode = volume["secret"].get("defaultMode", 0o644)
+        for path in source.rglob("*"):
+            os.lchown(path, 0, fs_group)
+            if path.is_file() and not path.is_symlink():
+                path.chmod(mode)
+        return source
+
+    def update_secret(self, name: str, files: dict[str, bytes]) -> None:
+        """A new version of a mounted Secret, as the kubelet syncs it into a running pod."""
+        self.secrets[name] = files
+        self.generations[name] = self.generations.get(name, 1) + 1
+        self._publish(name, self.generations[name])
+
     def _mounts(self) -> list[str]:
         """Shell lines mounting the Deployment's volumes over the read-only root."""
         root = self.image.rootfs
@@ -238,13 +263,7 @@ class Container:
                 assert name in self.secrets, f"the test does not provide Secret {name}"
                 assert mount.get("readOnly"), f"Secret {name} mounted writable"
                 assert "subPath" not in mount
-                source = self.work / "secrets" / name
-                publish_secret(source, self.secrets[name])
-                mode = volume["secret"].get("defaultMode", 0o644)
-                for path in source.rglob("*"):
-                    os.lchown(path, 0, fs_group)
-                    if path.is_file() and not path.is_symlink():
-                        path.chmod(mode)
+                source = self._publish(name)
                 lines += [
                     f"mount --bind {q(str(source))} {target}",
                     f"mount -o remount,bind,ro {target}",
@@ -395,8 +414,14 @@ def _tls_secret() -> dict[str, bytes]:
     }
 
 
+KEYS = (("payments", "aes256-gcm"), ("seal", "sm2"), ("bulk", "rsa-4096"))
+
+
 def _secrets(
-    work: Path, redis_url: str, keystore_url: str | None = None
+    work: Path,
+    redis_url: str,
+    keystore_url: str | None = None,
+    keys: tuple[tuple[str, str], ...] = KEYS,
 ) -> tuple[dict[str, dict[str, bytes]], tuple[str, str]]:
     """The Deployment's Secrets, made with the project's CLI: a master key, a keyring with the
     keys the tests use, one client allowed everything (key management included), the server's
@@ -408,7 +433,7 @@ def _secrets(
     made.mkdir()
     master, keyring, clients = made / "master.key", made / "keyring.json", made / "clients.json"
     subprocess.run([cryptd, "master-key", "generate", "--out", str(master)], check=True)
-    for name, key_type in (("payments", "aes256-gcm"), ("seal", "sm2"), ("bulk", "rsa-4096")):
+    for name, key_type in keys:
         subprocess.run(
             [
                 cryptd,
@@ -487,10 +512,11 @@ def running(
     *,
     config_maps: dict[str, dict[str, str]] | None = None,
     keystore_url: str | None = None,
+    keys: tuple[tuple[str, str], ...] = KEYS,
 ) -> Iterator[Running]:
     require_cli()
     with world_tempdir() as work:
-        secrets, (client_id, secret) = _secrets(work, redis_url, keystore_url)
+        secrets, (client_id, secret) = _secrets(work, redis_url, keystore_url, keys)
         container = Container(image, pod, secrets, work, config_maps or _base_config_maps())
         container.start()
         try:
@@ -707,11 +733,7 @@ def test_serves_tls_only_with_the_mounted_certificate(served: Running) -> None:
     ):
         assert tls.version() == "TLSv1.3"
         served_cert = tls.getpeercert(binary_form=True)
-    mounted = ssl.PEM_cert_to_DER_cert(
-        container.secrets["cryptd-tls"]["tls.crt"].decode().split("-----END CERTIFICATE-----")[0]
-        + "-----END CERTIFICATE-----\n"
-    )
-    assert served_cert == mounted
+    assert served_cert == _leaf_der(container.secrets["cryptd-tls"]["tls.crt"])
     # TLS 1.1 is refused at the handshake by the image's OpenSSL (a client that offers only
     # that, its own security level lowered so that it does offer it).
     with warnings.catch_warnings():
@@ -731,6 +753,72 @@ def test_serves_tls_only_with_the_mounted_certificate(served: Running) -> None:
     # A client that does not trust the CA does not connect.
     with pytest.raises(httpx.ConnectError):
         httpx.get(container.url + "/healthz", timeout=5, verify=ssl.create_default_context())
+
+
+def _leaf_der(chain_pem: bytes) -> bytes:
+    """The first certificate of a PEM chain, DER."""
+    end = "-----END CERTIFICATE-----"
+    return ssl.PEM_cert_to_DER_cert(chain_pem.decode().split(end)[0] + end + "\n")
+
+
+def _served_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(served: Running) -> None:
+    """cert-manager renews: the kubelet swaps the Secret's files under the running pod. Every
+    worker moves new handshakes to the new certificate; a kept-alive connection goes on
+    answering; no process restarts."""
+    container = served.container
+
+    def server_processes() -> set[int]:  # the supervisor and its server workers
+        pid1 = container.pid1()
+        return {pid1} | {p for p in _descendants(pid1) if _status(p)["PPid"] == str(pid1)}
+
+    processes = server_processes()
+    kept = http.client.HTTPSConnection(
+        "127.0.0.1", container.port, timeout=10, context=container.verify()
+    )
+
+    def kept_answers() -> socket.socket | None:
+        kept.request("GET", "/healthz")
+        response = kept.getresponse()
+        response.read()
+        assert response.status == 200
+        return kept.sock
+
+    try:
+        first = kept_answers()
+        renewed = _tls_secret()  # a new CA too: an old certificate cannot pass for the new one
+        container.update_secret("cryptd-tls", renewed)
+        trust_renewed = ssl.create_default_context(cadata=renewed["ca.crt"].decode())
+        # Both workers (SO_REUSEPORT spreads connections over them): ten new handshakes in a
+        # row present the new certificate.
+        deadline, in_a_row = time.monotonic() + 20, 0
+        while in_a_row < 10:
+            assert time.monotonic() < deadline, "new handshakes still get the old certificate"
+            try:
+                served_now = _served_certificate(container.port, trust_renewed)
+            except ssl.SSLCertVerificationError:
+                in_a_row = 0
+                assert kept_answers() is first  # the same connection, well inside keep-alive
+                time.sleep(0.2)
+                continue
+            assert served_now == _leaf_der(renewed["tls.crt"])
+            in_a_row += 1
+        assert kept_answers() is first
+    finally:
+        kept.close()
+    assert server_processes() == processes
+    log = container.log()
+    assert "do not load" not in log
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_runs_as_the_image_user_without_privileges(served: Running) -> None:
@@ -807,13 +895,20 @@ def test_the_image_healthcheck_command(served: Running, image: Image) -> None:
     assert container.exec(command, env=env).returncode == 1
 
 
+@pytest.mark.parametrize(
+    ("secret", "key", "variable"),
+    [
+        ("cryptd-clients", "clients.json", "CRYPTD_CLIENTS_FILE"),
+        ("cryptd-tls", "tls.key", "CRYPTD_TLS_KEY_FILE"),
+    ],
+)
 def test_a_missing_secret_stops_the_container_with_a_clear_message(
-    image: Image, pod: dict[str, Any], redis_url: str
+    image: Image, pod: dict[str, Any], redis_url: str, secret: str, key: str, variable: str
 ) -> None:
     require_cli()
     with world_tempdir() as work:
-        secrets, _ = _secrets(work, redis_url)
-        secrets["cryptd-clients"]["clients.json"] = b""
+        secrets, _ = _secrets(work, redis_url, keys=KEYS[:1])  # never served: no RSA key made
+        secrets[secret][key] = b""
         container = Container(image, pod, secrets, work)
         container.start()
         assert container.process is not None
@@ -823,8 +918,8 @@ def test_a_missing_secret_stops_the_container_with_a_clear_message(
             container.stop()
         log = container.log()
     assert returncode == 78, log  # EX_CONFIG, from the image's entrypoint
-    clients = image.env()["CRYPTD_CLIENTS_FILE"]
-    assert f"cryptd-entrypoint: error: CRYPTD_CLIENTS_FILE={clients} is empty" in log
+    path = container.environment()[variable]
+    assert f"cryptd-entrypoint: error: {variable}={path} is empty" in log
 
 
 def test_prestop_then_sigterm_drains_and_exits_zero(
@@ -896,7 +991,10 @@ def test_serves_and_manages_keys_on_postgresql(
     rendered = k8s.render_with_kustomize(K8S / "postgresql")
     pod = k8s.pod_spec(k8s.server(rendered))
     config_maps = {d["metadata"]["name"]: d["data"] for d in rendered if d["kind"] == "ConfigMap"}
-    with running(image, pod, redis_url, config_maps=config_maps, keystore_url=pg_database) as run:
+    # No RSA-4096 key: the process pool is exercised on the file deployment.
+    with running(
+        image, pod, redis_url, config_maps=config_maps, keystore_url=pg_database, keys=KEYS[:2]
+    ) as run:
         environment = run.container.environment()
         assert environment["CRYPTD_KEYSTORE_URL"] == pg_database
         assert environment["CRYPTD_KEYRING_READ_ONLY"] == "false"
@@ -921,7 +1019,7 @@ def test_serves_and_manages_keys_on_postgresql(
         versions = conn.execute(
             "SELECT max(version) FROM cryptd_key_versions WHERE name = 'payments'"
         ).fetchone()
-    assert names == {"payments", "seal", "bulk", "ledger"}
+    assert names == {"payments", "seal", "ledger"}
     assert versions == (2,)
     assert "Traceback" not in log, log[-3000:]
     assert "Read-only file system" not in log
