@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.api import responses
 from tests.conftest import POSTGRES_DSN, Server, start_server, stop_server
 from tests.test_keystore_support import wait_for
 
@@ -224,7 +225,10 @@ def test_every_operation_against_every_state(service: Service, state: str) -> No
             described = service.call("GET", f"/v1/keys/{name}")
             assert described.status_code == 200
             assert described.json()["state"] == state
-        listed = {k["name"]: k for k in service.call("GET", "/v1/keys").json()["keys"]}
+            responses.KeyDescription.model_validate(described.json())
+        every = service.call("GET", "/v1/keys").json()
+        responses.KeyList.model_validate(every)
+        listed = {k["name"]: k for k in every["keys"]}
         assert listed[aes]["state"] == state
     finally:
         restore(service, tested, state)
@@ -387,6 +391,7 @@ def test_deletion_waits_can_be_cancelled_and_destroys_after_the_date(service: Se
     scheduled = service.call("DELETE", f"/v1/keys/{name}")
     assert scheduled.status_code == 202, scheduled.text
     pending = scheduled.json()
+    responses.KeyMetadata.model_validate(pending)  # what the OpenAPI document declares
     assert pending["state"] == "pending_deletion"
     assert pending["name"] == name
     date = parse_date(pending["deletion_date"])
@@ -411,6 +416,7 @@ def test_deletion_waits_can_be_cancelled_and_destroys_after_the_date(service: Se
     # Cancelled: the state it had before, and the data it protects still opens.
     restored = service.call("POST", f"/v1/keys/{name}/cancel-deletion")
     assert restored.status_code == 200
+    responses.KeyMetadata.model_validate(restored.json())
     assert restored.json()["state"] == "decrypt_only"
     assert "deletion_date" not in restored.json()
     opened = service.call("POST", f"/v1/decrypt/{name}", {"ciphertext": token["ciphertext"]})

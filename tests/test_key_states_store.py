@@ -6,6 +6,7 @@ transaction."""
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from service.errors import KeyDisabled, KeyNotFound
 from service.keys.admin import initialise
 from service.keys.document import KeyRecord, MalformedDocument
 from service.keys.filestore import FileKeyStore
+from service.keys.keyring import parse_time
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore, KeystoreError
@@ -346,3 +348,60 @@ def test_a_key_past_its_date_cannot_be_backed_up_or_rotated(tmp_path: Path) -> N
     for action in (lambda: manager.backup("k"), lambda: manager.rotate("k")):
         with pytest.raises(KeyNotFound):
             action()
+
+
+def test_cryptd_keys_manages_states_and_deletion_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """For a keyring no service writes (a Secret): the same rules from the command line."""
+    import json
+
+    from service.cli import main
+
+    (tmp_path / "master.key").write_text(base64.b64encode(os.urandom(32)).decode())
+    monkeypatch.setenv("CRYPTD_MASTER_KEY_FILE", str(tmp_path / "master.key"))
+    monkeypatch.setenv("CRYPTD_KEYRING_FILE", str(tmp_path / "keyring.json"))
+    monkeypatch.delenv("CRYPTD_MASTER_KEY", raising=False)
+    monkeypatch.delenv("CRYPTD_ENV", raising=False)
+    monkeypatch.delenv("CRYPTD_DELETION_WAITING_PERIOD", raising=False)
+
+    def run(*args: str) -> Any:
+        assert main(["keys", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    run("create", "old", "--type", "aes256-gcm", "--deletion-allowed")
+    run("rotate", "old")
+    updated = run("update", "old", "--state", "decrypt_only", "--min-encryption-version", "2")
+    assert (updated["state"], updated["min_encryption_version"]) == ("decrypt_only", 2)
+    assert run("list")["keys"][0]["state"] == "decrypt_only"
+    # Production's default waiting period: seven days.
+    pending = run("delete", "old")
+    assert pending["state"] == "pending_deletion"
+    assert parse_time(pending["deletion_date"]) - time.time() > 7 * 86400 - 60
+    assert run("cancel-deletion", "old")["state"] == "decrypt_only"
+    run("delete", "old", "--waiting-period", "1")
+    assert run("destroy-due") == {"destroyed": []}
+    time.sleep(2.1)
+    assert run("list") == {"keys": []}  # past its date: not listed, before it is destroyed
+    assert "old" in orjson.loads((tmp_path / "keyring.json").read_bytes())["keys"]
+    assert run("destroy-due") == {"destroyed": ["old"]}
+    assert orjson.loads((tmp_path / "keyring.json").read_bytes())["keys"] == {}
+    run("create", "now", "--type", "sm4-gcm", "--deletion-allowed")
+    assert run("delete", "now", "--waiting-period", "0") == {"deleted": "now"}
+
+
+def test_a_backup_keeps_the_state_and_the_floor(tmp_path: Path) -> None:
+    path = tmp_path / "keyring.json"
+    master = MasterKey(os.urandom(32))
+    create_keyring_file(path, master)
+    manager = KeyManager(path, master)
+    manager.load()
+    manager.create("k", "aes256-gcm", deletion_allowed=True)
+    manager.rotate("k")
+    manager.update("k", state="decrypt_only", min_encryption_version=2)
+    blob = manager.backup("k")
+    assert manager.delete("k") is None  # no waiting period here: deleted at once
+    restored = manager.restore("k", blob)
+    assert (restored.state, restored.min_encryption_version) == ("decrypt_only", 2)
+    with pytest.raises(KeyDisabled, match="decrypt_only: encrypt is refused"):
+        restored.check_use("encrypt")

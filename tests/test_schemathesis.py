@@ -24,10 +24,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # A private server: the run creates, rotates and deletes keys. The loop-lag guard is
-    # relaxed so a busy CI machine answers the fuzzer instead of shedding load (503).
+    # relaxed so a busy CI machine answers the fuzzer instead of shedding load (503). A
+    # waiting period makes DELETE answer 202 with a pending key (and cancel-deletion 200).
     server = start_server(
         tmp_path_factory.mktemp("schemathesis"),
-        {"CRYPTD_MAX_LOOP_LAG": "10", "CRYPTD_POOL_DEADLINE": "30"},
+        {
+            "CRYPTD_MAX_LOOP_LAG": "10",
+            "CRYPTD_POOL_DEADLINE": "30",
+            "CRYPTD_DELETION_WAITING_PERIOD": "60",
+        },
     )
     yield server
     stop_server(server)

@@ -1,5 +1,6 @@
-"""``cryptd keys create|rotate|update|list|show|set-min-version``: manage keys directly in the
-key store (the keyring file, or PostgreSQL with ``--keystore-url``)."""
+"""``cryptd keys create|rotate|update|delete|cancel-deletion|destroy-due|list|show|
+set-min-version``: manage keys directly in the key store (the keyring file, or PostgreSQL with
+``--keystore-url``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import orjson
 
-from service.config import decode_master_key
+from service.config import DEFAULT_DELETION_WAITING_PERIOD, decode_master_key
 from service.crypto.registry import KEY_TYPES
 from service.keys.admin import initialise
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
@@ -38,7 +39,17 @@ def store_from_args(args: argparse.Namespace) -> KeyStore:
     return open_store(url, path)
 
 
-def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
+def waiting_period_from_env() -> int:
+    """What the service would use: CRYPTD_DELETION_WAITING_PERIOD, else 7 days (0 with
+    CRYPTD_ENV=development)."""
+    if value := os.environ.get("CRYPTD_DELETION_WAITING_PERIOD"):
+        return int(value)
+    return 0 if os.environ.get("CRYPTD_ENV") == "development" else DEFAULT_DELETION_WAITING_PERIOD
+
+
+def _manager(
+    args: argparse.Namespace, *, create: bool = False, waiting_period: int = 0
+) -> KeyManager:
     store = store_from_args(args)
     master = master_key_from_env(args.master_key_file)
     if create and store.backend == "file" and store.read() is None:
@@ -46,7 +57,10 @@ def _manager(args: argparse.Namespace, *, create: bool = False) -> KeyManager:
         print(f"created empty keyring {store.description}", file=sys.stderr)
     development = os.environ.get("CRYPTD_ENV") == "development"
     manager = KeyManager(
-        store, master, min_auto_rotate_period=1 if development else MIN_AUTO_ROTATE_PERIOD
+        store,
+        master,
+        min_auto_rotate_period=1 if development else MIN_AUTO_ROTATE_PERIOD,
+        deletion_waiting_period=waiting_period,
     )
     manager.load()
     return manager
@@ -112,6 +126,25 @@ def update(args: argparse.Namespace) -> int:
         min_encryption_version=args.min_encryption_version,
     )
     _print(key.metadata())
+    return 0
+
+
+def delete(args: argparse.Namespace) -> int:
+    period = waiting_period_from_env() if args.waiting_period is None else args.waiting_period
+    pending = _manager(args, waiting_period=period).delete(args.name)
+    _print({"deleted": args.name} if pending is None else pending.metadata())
+    return 0
+
+
+def cancel_deletion(args: argparse.Namespace) -> int:
+    _print(_manager(args).cancel_deletion(args.name).metadata())
+    return 0
+
+
+def destroy_due(args: argparse.Namespace) -> int:
+    """What the service's scheduler does, for a keyring no service writes (a Secret)."""
+    _, destroyed = _manager(args).run_due(rotate=False)
+    _print({"destroyed": destroyed})
     return 0
 
 
@@ -185,6 +218,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--min-encryption-version", type=int, help="lowest version to encrypt with (0: none)"
     )
     p.set_defaults(func=update)
+
+    p = actions.add_parser(
+        "delete",
+        parents=[common],
+        help="delete a key that allows it: at once, or pending until the waiting period ends",
+    )
+    p.add_argument("name")
+    p.add_argument(
+        "--waiting-period",
+        type=int,
+        help="seconds (default: $CRYPTD_DELETION_WAITING_PERIOD, 7 days; 0 in development)",
+    )
+    p.set_defaults(func=delete)
+
+    p = actions.add_parser(
+        "cancel-deletion", parents=[common], help="undo a scheduled deletion before its date"
+    )
+    p.add_argument("name")
+    p.set_defaults(func=cancel_deletion)
+
+    p = actions.add_parser(
+        "destroy-due",
+        parents=[common],
+        help="destroy the keys whose deletion date has passed (the service does it itself "
+        "where it may write the store)",
+    )
+    p.set_defaults(func=destroy_due)
 
     p = actions.add_parser("list", parents=[common], help="list keys")
     p.set_defaults(func=list_keys)

@@ -581,12 +581,12 @@ class KeyManager:
         """Rotate every key that is due (see :meth:`run_due`)."""
         return self.run_due()[0]
 
-    def run_due(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """Rotate every key that is due and destroy every key past its deletion date, if this
-        process wins the store's scheduling lock (one process of all replicas does): the
-        rotated (name, version) and the destroyed names. Dueness is checked again on the
-        document read inside each transaction, so nothing done meanwhile elsewhere is done
-        twice."""
+    def run_due(self, *, rotate: bool = True) -> tuple[list[tuple[str, int]], list[str]]:
+        """Rotate every key that is due (unless ``rotate`` is false) and destroy every key
+        past its deletion date, if this process wins the store's scheduling lock (one process
+        of all replicas does): the rotated (name, version) and the destroyed names. Dueness
+        is checked again on the document read inside each transaction, so nothing done
+        meanwhile elsewhere is done twice."""
         if self._read_only or not self.has_due_work():
             return [], []
         rotated: list[tuple[str, int]] = []
@@ -597,14 +597,14 @@ class KeyManager:
             if not held:
                 return [], []
             try:
-                for name in self.due_for_rotation():
+                for name in self.due_for_rotation() if rotate else ():
                     version = self._rotate_if_due(name)
                     if version is not None:
                         rotated.append((name, version))
                 if self.due_for_destruction():
                     self._destroy_due(destroyed)
             except KeystoreUnavailable:
-                pass  # logged by _mutate's caller path; the next round tries again
+                pass  # _mutate logged why; the next round tries again
         self._destroyed(destroyed)
         return rotated, [name for name, _ in destroyed]
 
