@@ -154,6 +154,43 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(
     assert report["run"]["migrated"] == 12000 - done
 
 
+@pytest.mark.parametrize("changed", ["source", "target"])
+def test_a_key_disabled_during_the_run_stops_it_and_the_run_resumes(
+    server: Server, cryptd: CryptdClient, tmp_path: Path, changed: str
+) -> None:
+    """docs/MIGRATION.md, exit status 3: a key made unusable mid-run stops the run with the
+    checkpoint consistent; the same command completes once the key is enabled again."""
+    source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, f"sqlite:///{tmp_path / 'x.db'}", source, 6000)
+    checkpoint = tmp_path / "state.ckpt"
+    args = sql_args(table, source, target, "--checkpoint", str(checkpoint), "--batch-size", "20")
+    process = subprocess.Popen(
+        [*migrate_command(server, *args, "--concurrency", "1"), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _wait_for_progress(checkpoint, 0, process)
+    process.send_signal(signal.SIGSTOP)  # the key changes between two of its requests
+    key = source if changed == "source" else target
+    cryptd.update_key(key, state="disabled")
+    process.send_signal(signal.SIGCONT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 3, err
+    assert f"{key!r} is disabled" in err.decode() + out.decode()
+    saved = json.loads(checkpoint.read_text())
+    assert saved["done"] is False
+    done = saved["committed"]["counts"]["migrated"]
+    assert 0 < done < 6000
+    cryptd.update_key(key, state="enabled")
+    assert sum(decrypts_to(cryptd, target, table.rows())) == done
+
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    _assert_exactly_once(report, 6000)
+    assert all(decrypts_to(cryptd, target, table.rows()))
+
+
 # -- crashes on either side of a commit, in-process -----------------------------------------
 
 
