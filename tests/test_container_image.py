@@ -75,6 +75,17 @@ LONG_BATCH = 200  # RSA-4096 signatures in the request that is in flight at SIGT
 
 
 @dataclass(frozen=True)
+class KeyStore:
+    """The PostgreSQL key store of the k8s/postgresql deployment: the URL the pod uses (from
+    the Secret cryptd-keystore), the one the test copies the keyring in with (the same, but for
+    host paths), and the CA the pod trusts for the database (Secret cryptd-keystore-ca)."""
+
+    url: str
+    copy_url: str
+    ca: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Image:
     rootfs: Path
     document: dict[str, Any]  # the image configuration (docker format, as built)
@@ -420,14 +431,14 @@ KEYS = (("payments", "aes256-gcm"), ("seal", "sm2"), ("bulk", "rsa-4096"))
 def _secrets(
     work: Path,
     redis_url: str,
-    keystore_url: str | None = None,
+    keystore: KeyStore | None = None,
     keys: tuple[tuple[str, str], ...] = KEYS,
 ) -> tuple[dict[str, dict[str, bytes]], tuple[str, str]]:
     """The Deployment's Secrets, made with the project's CLI: a master key, a keyring with the
     keys the tests use, one client allowed everything (key management included), the server's
-    TLS certificate. With ``keystore_url`` (the PostgreSQL deployment) the keyring is copied
-    into that database and the Secrets are the overlay's: the URL and the database's CA
-    instead of the keyring. Returns them and the client's (id, secret)."""
+    TLS certificate. With ``keystore`` (the PostgreSQL deployment) the keyring is copied into
+    that database and the Secrets are the overlay's: the URL and the database's CA instead of
+    the keyring. Returns them and the client's (id, secret)."""
     cryptd = str(cryptd_shim(work / "bin"))
     made = work / "made"
     made.mkdir()
@@ -464,7 +475,7 @@ def _secrets(
         "cryptd-redis": {"url": redis_url.encode()},
         tls_name: _tls_secret(),
     }
-    if keystore_url is None:
+    if keystore is None:
         secrets["cryptd-keyring"] = {"keyring.json": keyring.read_bytes()}
     else:
         subprocess.run(
@@ -473,17 +484,17 @@ def _secrets(
                 "keystore",
                 "copy",
                 str(keyring),
-                keystore_url,
+                keystore.copy_url,
                 "--master-key-file",
                 str(master),
             ],
             check=True,
             capture_output=True,
         )
-        secrets["cryptd-keystore"] = {"url": keystore_url.encode()}
-        # Mounted for sslmode=verify-full to a remote database; the loopback server here
-        # speaks without TLS, which production allows for local hosts only.
-        secrets["cryptd-keystore-ca"] = {"ca.crt": secrets[tls_name]["ca.crt"]}
+        secrets["cryptd-keystore"] = {"url": keystore.url.encode()}
+        # Without a CA of its own the database is reached without TLS (a loopback server,
+        # which production allows for local hosts only): the mount is there, unused.
+        secrets["cryptd-keystore-ca"] = {"ca.crt": keystore.ca or secrets[tls_name]["ca.crt"]}
     return secrets, ("app", secret)
 
 
@@ -511,12 +522,12 @@ def running(
     redis_url: str,
     *,
     config_maps: dict[str, dict[str, str]] | None = None,
-    keystore_url: str | None = None,
+    keystore: KeyStore | None = None,
     keys: tuple[tuple[str, str], ...] = KEYS,
 ) -> Iterator[Running]:
     require_cli()
     with world_tempdir() as work:
-        secrets, (client_id, secret) = _secrets(work, redis_url, keystore_url, keys)
+        secrets, (client_id, secret) = _secrets(work, redis_url, keystore, keys)
         container = Container(image, pod, secrets, work, config_maps or _base_config_maps())
         container.start()
         try:
@@ -979,21 +990,45 @@ def test_prestop_then_sigterm_drains_and_exits_zero(
 # --- the PostgreSQL deployment (k8s/postgresql) ----------------------------------------------
 
 
+@dataclass(frozen=True)
+class Overlay:
+    pod: dict[str, Any]
+    config_maps: dict[str, dict[str, str]]
+
+    def mount_path(self, volume: str) -> str:
+        container = _container_spec(self.pod)
+        path: str = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume)
+        return path
+
+
+@pytest.fixture(scope="module")
+def postgresql_overlay() -> Overlay:
+    """The server pod and ConfigMaps of `kubectl kustomize k8s/postgresql`."""
+    from tests import test_k8s as k8s
+
+    rendered = k8s.render_with_kustomize(K8S / "postgresql")
+    return Overlay(
+        k8s.pod_spec(k8s.server(rendered)),
+        {d["metadata"]["name"]: d["data"] for d in rendered if d["kind"] == "ConfigMap"},
+    )
+
+
 def test_serves_and_manages_keys_on_postgresql(
-    image: Image, redis_url: str, pg_database: str
+    image: Image, redis_url: str, pg_database: str, postgresql_overlay: Overlay
 ) -> None:
     """The k8s/postgresql overlay's pod on the image: the key store in a database of this
     test's own on the real PostgreSQL, reached with the image's psycopg (and its libpq)."""
     import psycopg
 
-    from tests import test_k8s as k8s
-
-    rendered = k8s.render_with_kustomize(K8S / "postgresql")
-    pod = k8s.pod_spec(k8s.server(rendered))
-    config_maps = {d["metadata"]["name"]: d["data"] for d in rendered if d["kind"] == "ConfigMap"}
+    pod, config_maps = postgresql_overlay.pod, postgresql_overlay.config_maps
     # No RSA-4096 key: the process pool is exercised on the file deployment.
     with running(
-        image, pod, redis_url, config_maps=config_maps, keystore_url=pg_database, keys=KEYS[:2]
+        image,
+        pod,
+        redis_url,
+        config_maps=config_maps,
+        keystore=KeyStore(pg_database, pg_database),
+        keys=KEYS[:2],
     ) as run:
         environment = run.container.environment()
         assert environment["CRYPTD_KEYSTORE_URL"] == pg_database
@@ -1023,3 +1058,64 @@ def test_serves_and_manages_keys_on_postgresql(
     assert versions == (2,)
     assert "Traceback" not in log, log[-3000:]
     assert "Read-only file system" not in log
+
+
+def test_the_key_store_over_tls_verified_against_the_mounted_ca(
+    image: Image, redis_url: str, postgresql_overlay: Overlay
+) -> None:
+    """The overlay's URL form (sslmode=verify-full, sslrootcert on the cryptd-keystore-ca
+    mount) against a private PostgreSQL that accepts TLS only: the image's libpq verifies the
+    database's certificate against the mounted CA, and a pod given another CA does not start."""
+    import psycopg
+
+    from tests.test_keystore_support import private_postgres
+
+    pod, config_maps = postgresql_overlay.pod, postgresql_overlay.config_maps
+    ca_inside = postgresql_overlay.mount_path("keystore-ca") + "/ca.crt"
+    database_ca = make_ca("database CA")
+    database = issue(database_ca, ["127.0.0.1"])
+    chain = database.cert_pem() + database_ca.cert_pem()
+    with private_postgres(tls=(chain, database.key_pem())) as cluster, world_tempdir() as host:
+        (host / "ca.crt").write_bytes(database_ca.cert_pem())
+
+        def store(name: str, ca: bytes) -> KeyStore:
+            base = f"postgresql://postgres@127.0.0.1:{cluster.port}/{name}?sslmode=verify-full"
+            return KeyStore(
+                f"{base}&sslrootcert={ca_inside}", f"{base}&sslrootcert={host / 'ca.crt'}", ca
+            )
+
+        good = store("postgres", database_ca.cert_pem())
+        with running(
+            image, pod, redis_url, config_maps=config_maps, keystore=good, keys=KEYS[:1]
+        ) as run:
+            with run.client() as cryptd:
+                token = cryptd.encrypt("payments", b"over TLS").ciphertext
+                assert cryptd.decrypt("payments", token).plaintext == b"over TLS"
+                cryptd.create_key("ledger", "aes256-gcm")
+            assert "Traceback" not in run.container.log()
+        # Nothing reaches this cluster in clear text (hostssl only): the pod spoke TLS.
+        with psycopg.connect(good.copy_url, autocommit=True) as conn:
+            assert {row[0] for row in conn.execute("SELECT name FROM cryptd_keys")} == {
+                "payments",
+                "ledger",
+            }
+            conn.execute("CREATE DATABASE other")
+        plain = f"postgresql://postgres@127.0.0.1:{cluster.port}/postgres?sslmode=disable"
+        with pytest.raises(psycopg.OperationalError, match=r"no pg_hba\.conf entry"):
+            psycopg.connect(plain, connect_timeout=5).close()
+        # Another CA than the one that signed the database's certificate: refused.
+        with world_tempdir() as work:
+            wrong = store("other", make_ca("another CA").cert_pem())
+            secrets, _ = _secrets(work, redis_url, wrong, keys=KEYS[:1])
+            container = Container(image, pod, secrets, work, config_maps)
+            container.start()
+            assert container.process is not None
+            try:
+                returncode = container.process.wait(timeout=60)
+            finally:
+                container.stop()
+            log = container.log()
+    assert returncode != 0, log[-3000:]
+    assert "is unreachable" in log, log[-3000:]
+    assert "certificate verify failed" in log, log[-3000:]
+    assert secrets["cryptd-master-key"]["master.key"].strip().decode() not in log

@@ -159,6 +159,7 @@ class PrivatePostgres:
 
     directory: Path
     port: int
+    settings: tuple[str, ...] = ()  # more `-c name=value` options
 
     @property
     def url(self) -> str:
@@ -176,6 +177,7 @@ class PrivatePostgres:
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c fsync=off "
             f"-c unix_socket_directories={self.directory}"
+            + "".join(f" -c {setting}" for setting in self.settings)
         )
         self._pg_ctl("-o", options, "-l", str(self.directory / "log"), "-w", "start")
 
@@ -190,7 +192,10 @@ def _as_postgres() -> list[str]:
 
 
 @contextlib.contextmanager
-def private_postgres() -> Iterator[PrivatePostgres]:
+def private_postgres(tls: tuple[bytes, bytes] | None = None) -> Iterator[PrivatePostgres]:
+    """A private cluster (trust authentication). ``tls``: (certificate chain, key) PEM; the
+    cluster then accepts TCP connections over TLS only (hostssl), so a client that connects
+    at all spoke TLS."""
     if not (PG_BIN / "initdb").exists():
         message = f"{PG_BIN}/initdb is not installed"
         if os.environ.get("CI") == "true":
@@ -219,6 +224,17 @@ def private_postgres() -> Iterator[PrivatePostgres]:
             capture_output=True,
             timeout=120,
         )
+        if tls is not None:
+            data = directory / "data"
+            for name, content in (("server.crt", tls[0]), ("server.key", tls[1])):
+                (data / name).write_bytes(content)
+                (data / name).chmod(0o600)
+                if os.geteuid() == 0:
+                    shutil.chown(data / name, "postgres", "postgres")
+            (data / "pg_hba.conf").write_text(
+                "local all all trust\nhostssl all all 127.0.0.1/32 trust\n"
+            )
+            cluster.settings = ("ssl=on",)
         cluster.start()
         yield cluster
     finally:
