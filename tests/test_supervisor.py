@@ -4,6 +4,7 @@ worker is replaced, a worker that cannot start stops the server. Real processes 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -189,7 +190,9 @@ def test_a_worker_that_cannot_start_stops_the_server(
     monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare_dev_dir sets variables
     prepare_dev_dir(tmp_path / "dev", "http://127.0.0.1:0")
     env = dict(os.environ)
-    (tmp_path / "dev" / "keyring.json").write_text("{not a keyring")  # each worker loads it
+    # Each worker opens the audit file; the supervisor does not (a bad keyring fails earlier,
+    # in the command itself: below).
+    env["CRYPTD_AUDIT_LOG"] = str(tmp_path / "missing-directory" / "audit.log")
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--port", str(free_port()), "--workers", "2"],
@@ -201,6 +204,39 @@ def test_a_worker_that_cannot_start_stops_the_server(
     assert result.returncode == 1, result.stderr[-2000:]
     assert time.monotonic() - started < 30
     assert b"server worker failed to start" in result.stderr
+
+
+@pytest.mark.parametrize("damage", ["key removed", "wrong master key"])
+def test_a_keyring_that_fails_verification_stops_the_start_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare_dev_dir sets variables
+    prepare_dev_dir(tmp_path / "dev", "http://127.0.0.1:0")
+    env = dict(os.environ)
+    keyring = tmp_path / "dev" / "keyring.json"
+    if damage == "key removed":
+        document = json.loads(keyring.read_bytes())
+        del document["keys"]["aes256-gcm"]
+        keyring.write_text(json.dumps(document))
+        expected = b"cryptd: error: keyring integrity check failed"
+    else:
+        other = tmp_path / "other.key"
+        other.write_text(base64.b64encode(os.urandom(32)).decode())
+        env["CRYPTD_MASTER_KEY_FILE"] = str(other)
+        expected = b"cryptd: error: the keyring was written under master key"
+    before = keyring.read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--port", str(free_port()), "--workers", "2"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert expected in result.stderr, result.stderr[-2000:]
+    assert b"Traceback" not in result.stderr
+    assert b"server worker" not in result.stderr  # refused before any worker started
+    assert keyring.read_bytes() == before
 
 
 def test_port_zero_or_taken_is_refused() -> None:

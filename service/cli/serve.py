@@ -119,6 +119,18 @@ def _dev_keyring(store: KeyStore, master: MasterKey) -> None:
         manager.create(type_name, type_name, deletion_allowed=True)
 
 
+def _verify_key_store(settings: Settings, master_key: bytes) -> None:
+    """Load and verify the keyring once before any worker does, as each worker will: a
+    keyring that fails verification, a wrong master key, another deployment's store or an
+    unreachable one stops the start here with one line saying why (KeystoreError), instead of
+    a traceback from every worker. Read only: nothing is written."""
+    store = open_store(settings.keystore_url_value(), settings.keyring_file)
+    try:
+        KeyManager(store, MasterKey(master_key), expected_deployment=settings.keystore_id).load()
+    finally:
+        store.close()
+
+
 def _prepare_metrics_dir(settings: Settings) -> None:
     """Several processes (server workers, pool workers) need prometheus-client's multiprocess
     mode: a directory, emptied of a previous run's files before any worker starts."""
@@ -202,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     _prepare_replay_dir(dev_directory)
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
-    settings.load_master_key()
+    _verify_key_store(settings, settings.load_master_key())
     # Every worker sees the count the supervisor starts (and sizes its pool by it).
     os.environ["CRYPTD_WORKERS"] = str(settings.workers)
     _open_replay_store(settings, dev_created)
