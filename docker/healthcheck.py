@@ -47,7 +47,8 @@ def _probe_context() -> ssl.SSLContext:
     return context
 
 
-def check(host: str, port: int, *, tls: bool = False, timeout: float = 2.0) -> bool:
+def probe(host: str, port: int, *, tls: bool = False, timeout: float = 2.0) -> str | None:
+    """None when /healthz answers 200, else why not (one line, for the engine's health log)."""
     conn: http.client.HTTPConnection
     if tls:
         conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=_probe_context())
@@ -55,11 +56,16 @@ def check(host: str, port: int, *, tls: bool = False, timeout: float = 2.0) -> b
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", "/healthz", headers={"User-Agent": "cryptd-healthcheck"})
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
+        status = conn.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
     finally:
         conn.close()
+    return None if status == 200 else f"HTTP {status}"
+
+
+def check(host: str, port: int, *, tls: bool = False, timeout: float = 2.0) -> bool:
+    return probe(host, port, tls=tls, timeout=timeout) is None
 
 
 def main() -> int:
@@ -69,7 +75,13 @@ def main() -> int:
     except ValueError:
         print("healthcheck: CRYPTD_PORT is not a number", file=sys.stderr)
         return 1
-    return 0 if check(host, port, tls=uses_tls(env)) else 1
+    tls = uses_tls(env)
+    problem = probe(host, port, tls=tls)
+    if problem is None:
+        return 0
+    scheme = "https" if tls else "http"
+    print(f"healthcheck: {scheme}://{host}:{port}/healthz: {problem}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

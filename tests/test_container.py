@@ -349,12 +349,18 @@ def health_server() -> Iterator[tuple[int, type[_Health]]]:
         server.server_close()
 
 
-def _healthcheck(port: int, host: str = "0.0.0.0", **settings: str) -> int:
+def _run_healthcheck(
+    port: int, host: str = "0.0.0.0", **settings: str
+) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ["PATH"], "CRYPTD_HOST": host, "CRYPTD_PORT": str(port), **settings}
     script = ROOT / "docker" / "healthcheck.py"
     return subprocess.run(
-        [sys.executable, str(script)], env=env, check=False, capture_output=True
-    ).returncode
+        [sys.executable, str(script)], env=env, check=False, capture_output=True, text=True
+    )
+
+
+def _healthcheck(port: int, host: str = "0.0.0.0", **settings: str) -> int:
+    return _run_healthcheck(port, host, **settings).returncode
 
 
 def test_healthcheck_follows_healthz(health_server: tuple[int, type[_Health]]) -> None:
@@ -403,7 +409,10 @@ def test_healthcheck_speaks_https_when_the_server_does(
     assert _healthcheck(port, **tls) == 0
     assert _healthcheck(port, host="127.0.0.1", **tls) == 0
     handler.status = 503
-    assert _healthcheck(port, **tls) == 1
+    failed = _run_healthcheck(port, **tls)
+    assert failed.returncode == 1
+    # Why, in one line (an engine keeps it in the container's health log).
+    assert failed.stderr == f"healthcheck: https://127.0.0.1:{port}/healthz: HTTP 503\n"
     handler.status = 200
     # Plain HTTP to the TLS port gets no answer.
     assert _healthcheck(port) == 1
@@ -412,7 +421,10 @@ def test_healthcheck_speaks_https_when_the_server_does(
     plain_port, _ = health_server
     assert _healthcheck(plain_port, **tls) == 1
     assert _healthcheck(plain_port, CRYPTD_TLS="off") == 0
-    assert _healthcheck(free_port(), **tls) == 1  # nothing listening
+    nothing = _run_healthcheck(free_port(), **tls)
+    assert nothing.returncode == 1
+    assert "ConnectionRefusedError" in nothing.stderr
+    assert len(nothing.stderr.splitlines()) == 1
 
 
 def test_healthcheck_probes_loopback_for_wildcard_binds() -> None:

@@ -902,8 +902,11 @@ def test_the_image_healthcheck_command(served: Running, image: Image) -> None:
     healthy = container.exec(command)
     assert healthy.returncode == 0, healthy.stderr
     # The same command fails when nothing answers on the port it follows.
-    env = {**container.environment(), "CRYPTD_PORT": str(free_port())}
-    assert container.exec(command, env=env).returncode == 1
+    port = free_port()
+    env = {**container.environment(), "CRYPTD_PORT": str(port)}
+    failed = container.exec(command, env=env)
+    assert failed.returncode == 1
+    assert failed.stderr.startswith(f"healthcheck: https://127.0.0.1:{port}/healthz: "), failed
 
 
 @pytest.mark.parametrize(
