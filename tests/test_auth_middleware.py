@@ -15,7 +15,9 @@ import pytest
 from http_message_signatures import HTTPMessageSigner, MappingKeyResolver
 from http_message_signatures.algorithms import HMAC_SHA256
 
+from cryptd_client import signing
 from service.asgi import Message
+from service.auth.middleware import STATE_KEY, SignatureAuthMiddleware
 from service.auth.ratelimit import MemoryRateLimiter
 from service.auth.replay import MemoryReplayStore
 from service.auth.signature import (
@@ -26,7 +28,7 @@ from service.auth.signature import (
     sign_request,
     signature_base,
 )
-from service.errors import Unauthenticated
+from service.errors import RateLimited, Unauthenticated, UnsupportedMediaType
 from tests.test_auth_support import Server, make_app, standard_clients
 
 UNAUTHENTICATED = {"error": {"code": "unauthenticated", "message": Unauthenticated.default_message}}
@@ -426,3 +428,36 @@ async def test_websockets_and_mounted_paths_are_protected(harness: Harness) -> N
     await harness.app(scope, http_receive, send)
     assert sent[0]["status"] == 401
     assert harness.failures == ["missing_signature"]
+
+
+@pytest.mark.parametrize("refusal", ["rate_limited", "unsupported_media_type"])
+async def test_a_429_or_415_names_the_authenticated_client_for_the_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    harness = Harness(tmp_path, rate_limiter=MemoryRateLimiter(rate=0.5, burst=1))
+    middleware = harness.app
+    assert isinstance(middleware, SignatureAuthMiddleware)
+    body = b'{"plaintext":"aGVsbG8="}'
+    if refusal == "rate_limited":  # the bucket's one token goes to a first request
+        first = {
+            name.lower(): value for name, value in harness.sign("POST", "/v1/echo/k", body).items()
+        }
+        await middleware.authenticate(_scope(), first, body)
+        expected: type[Exception] = RateLimited
+    else:
+        monkeypatch.setattr(signing, "CONTENT_TYPE", "text/plain")
+        expected = UnsupportedMediaType
+    headers = {
+        name.lower(): value for name, value in harness.sign("POST", "/v1/echo/k", body).items()
+    }
+    scope = _scope()
+    with pytest.raises(expected):
+        await middleware.authenticate(scope, headers, body)
+    # The access log reads the client from here: the refused request is attributed to it.
+    assert scope["state"][STATE_KEY].client_id == "app"
+
+
+def _scope() -> dict[str, Any]:
+    path = "/v1/echo/k"
+    return {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "headers": []}  # fmt: skip

@@ -133,11 +133,11 @@ class SignatureAuthMiddleware:
         ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
         if not await self._remember(signed.keyid, signed.nonce, signed.created, ttl):
             raise AuthError("replayed")
+        _set_client(scope, client)  # authenticated: a 429 or 415 below names it in the logs
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
         if body and not is_json(headers.get("content-type")):
             raise UnsupportedMediaType()
-        _set_client(scope, client)
         return client
 
     async def _by_certificate(
@@ -151,11 +151,11 @@ class SignatureAuthMiddleware:
         client = registry.by_certificate(identities)
         if client is None:
             raise AuthError("unknown_certificate")
+        _set_client(scope, client)  # authenticated: a 429 or 415 below names it in the logs
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
         if body and not is_json(headers.get("content-type")):
             raise UnsupportedMediaType()
-        _set_client(scope, client)
         return client
 
     async def refuse(self, exc: Refusal, scope: Scope, send: Send) -> None:
