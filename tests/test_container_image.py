@@ -1121,4 +1121,5 @@ def test_the_key_store_over_tls_verified_against_the_mounted_ca(
     assert returncode != 0, log[-3000:]
     assert "is unreachable" in log, log[-3000:]
     assert "certificate verify failed" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
     assert secrets["cryptd-master-key"]["master.key"].strip().decode() not in log
