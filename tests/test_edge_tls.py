@@ -19,9 +19,11 @@ import httpx
 import orjson
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from service.auth.signature import sign_request
 from service.edge.devcerts import Issued, issue, make_ca
+from service.edge.tls import TLSFileError, TLSFiles, server_context
 from tests.conftest import Server, free_port, start_server, stop_server
 from tests.test_edge_upgrade import require_tool, run_java
 
@@ -460,9 +462,62 @@ def test_unusable_certificate_files_fail_at_start(tls_server: Server, tmp_path: 
         check=False,
         cwd=tmp_path,
     )
-    assert done.returncode != 0
+    assert done.returncode == 2
+    assert f"CRYPTD_TLS_KEY_FILE {tmp_path / 'other.key'} does not match" in done.stderr
     assert "PRIVATE KEY" not in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _tls_files(root: Path) -> dict[str, Path]:
+    """Usable files (a server certificate, its key, a CA) and unusable ones."""
+    ca = make_ca("files CA")
+    server = leaf(ca)
+    encrypted = server.key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase"),
+    )
+    contents = {
+        "cert": server.cert_pem(),
+        "key": server.key_pem(),
+        "ca": ca.cert_pem(),
+        "other key": leaf(ca).key_pem(),
+        "encrypted key": encrypted,
+        "empty": b"",
+    }
+    files = {}
+    for name, content in contents.items():
+        files[name] = root / name.replace(" ", "-")
+        files[name].write_bytes(content)
+    files["missing"] = root / "missing.pem"
+    return files
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "ca", "named", "reason"),
+    [
+        ("missing", "key", None, "CRYPTD_TLS_CERT_FILE", "No such file"),
+        ("empty", "key", None, "CRYPTD_TLS_CERT_FILE", "no PEM certificate"),
+        ("key", "key", None, "CRYPTD_TLS_CERT_FILE", "no PEM certificate"),
+        ("cert", "missing", None, "CRYPTD_TLS_KEY_FILE", "No such file"),
+        ("cert", "empty", None, "CRYPTD_TLS_KEY_FILE", "no PEM private key"),
+        ("cert", "encrypted key", None, "CRYPTD_TLS_KEY_FILE", "encrypted"),
+        ("cert", "other key", None, "CRYPTD_TLS_KEY_FILE", "does not match the certificate"),
+        ("cert", "key", "empty", "CRYPTD_TLS_CLIENT_CA_FILE", "does not load"),
+        ("cert", "key", "missing", "CRYPTD_TLS_CLIENT_CA_FILE", "No such file"),
+    ],
+)
+def test_a_tls_file_that_does_not_load_is_named_with_its_setting(
+    tmp_path: Path, cert: str, key: str, ca: str | None, named: str, reason: str
+) -> None:
+    files = _tls_files(tmp_path)
+    with pytest.raises(TLSFileError) as refused:
+        server_context(TLSFiles(files[cert], files[key], files[ca] if ca is not None else None))
+    path = {"CRYPTD_TLS_CERT_FILE": cert, "CRYPTD_TLS_KEY_FILE": key}.get(named, ca)
+    assert f"{named} {files[path or '']}" in str(refused.value)
+    assert reason in str(refused.value)
+    assert b"PRIVATE KEY" not in str(refused.value).encode()
+    server_context(TLSFiles(files["cert"], files["key"], files["ca"]))  # the good ones load
 
 
 def test_a_refused_configuration_never_prints_the_settings(tmp_path: Path) -> None:

@@ -71,9 +71,15 @@ class TLSFiles:
     client_cert: ClientCertMode = "required"
 
 
+class TLSFileError(ValueError):
+    """A TLS file that does not load. The message names its setting and path (never its
+    content), so that the command can say which file to fix."""
+
+
 def server_context(files: TLSFiles) -> ssl.SSLContext:
-    """A server context with cryptd's policy and ``files`` loaded. Raises OSError or
-    ssl.SSLError if they do not load (missing, unreadable, key not matching)."""
+    """A server context with cryptd's policy and ``files`` loaded. Raises
+    :class:`TLSFileError` if they do not load (missing, unreadable, not PEM, a key that does
+    not match the certificate)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_ciphers(TLS12_CIPHERS)
@@ -81,13 +87,45 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
         ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION | ssl.OP_CIPHER_SERVER_PREFERENCE
     )
     context.set_alpn_protocols(ALPN)
-    context.load_cert_chain(files.cert_file, files.key_file)
+    cert = f"CRYPTD_TLS_CERT_FILE {files.cert_file}"
+    key = f"CRYPTD_TLS_KEY_FILE {files.key_file}"
+    if b"-----BEGIN CERTIFICATE-----" not in _read(files.cert_file, cert):
+        raise TLSFileError(f"{cert}: no PEM certificate in it")
+    key_pem = _read(files.key_file, key)
+    if b"PRIVATE KEY-----" not in key_pem:
+        raise TLSFileError(f"{key}: no PEM private key in it")
+    if b"ENCRYPTED" in key_pem:  # OpenSSL would ask for a passphrase on the terminal
+        raise TLSFileError(f"{key}: the key is encrypted; cryptd needs it unencrypted")
+    try:
+        context.load_cert_chain(files.cert_file, files.key_file)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise TLSFileError(f"{key} does not match the certificate of {cert}") from None
+        raise TLSFileError(f"{cert} with {key} does not load ({_reason(exc)})") from None
+    except OSError as exc:  # replaced between the read above and this one
+        raise TLSFileError(f"{cert} with {key} does not load ({_reason(exc)})") from None
     if files.client_ca_file is not None:
-        context.load_verify_locations(cafile=files.client_ca_file)
+        ca = f"CRYPTD_TLS_CLIENT_CA_FILE {files.client_ca_file}"
+        try:
+            context.load_verify_locations(cafile=files.client_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSFileError(f"{ca} does not load ({_reason(exc)})") from None
         context.verify_mode = (
             ssl.CERT_REQUIRED if files.client_cert == "required" else ssl.CERT_OPTIONAL
         )
     return context
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TLSFileError(f"{what}: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError | ssl.SSLError) -> str:
+    reason = getattr(exc, "reason", None) if isinstance(exc, ssl.SSLError) else exc.strerror
+    return str(reason or type(exc).__name__)
 
 
 class ServerTLS:
@@ -119,11 +157,10 @@ class ServerTLS:
         self._stamp = stamp  # a version that fails is logged once, not every second
         try:
             context = server_context(self.files)
-        except (OSError, ssl.SSLError) as exc:
-            reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None)
+        except TLSFileError as exc:
             log.error(
                 "TLS files changed but do not load; the previous certificate stays in use",
-                extra={"error_type": type(exc).__name__, "reason": str(reason or "")},
+                extra={"reason": str(exc)},
             )
             return False
         self.current = context
