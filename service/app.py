@@ -44,6 +44,8 @@ from service.pool import make_executor
 from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.runner import CryptoRunner
+from service.usage.recorder import UsageRecorder
+from service.usage.store import open_usage_store
 from service.worker import init_worker
 
 log = logging.getLogger("cryptd")
@@ -98,7 +100,7 @@ def create_app(
     (tests inject a fixed one to replay a known-answer vector)."""
     settings = settings or Settings()
     logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
-    metrics = Metrics(enabled=settings.metrics)
+    metrics = Metrics(enabled=settings.metrics, max_keys=settings.metrics_max_keys)
     master_key = settings.load_master_key()
     manager = KeyManager(
         open_store(settings.keystore_url_value(), settings.keyring_file),
@@ -115,6 +117,12 @@ def create_app(
     )
     manager.load()
     watcher = KeyringWatcher(manager, interval=settings.keyring_reload_interval)
+    usage = UsageRecorder(
+        open_usage_store(settings.keystore_url_value(), settings.usage_file_path()),
+        interval=settings.usage_flush_interval,
+        on_counts=metrics.key_operations,
+        on_flush=metrics.usage_flush,
+    )
 
     by_kind = _executors(settings, master_key, metrics)
     runner = CryptoRunner(
@@ -125,6 +133,7 @@ def create_app(
         observer=metrics.observe_crypto,
         on_overload=functools.partial(metrics.rejected, "overload"),
         watcher=watcher,
+        usage=usage,
     )
     auth = build_auth(settings)
     loop_lag = LoopLag(settings.max_loop_lag)
@@ -193,6 +202,7 @@ def create_app(
             asyncio.create_task(
                 _every(settings.auto_rotate_check_interval, "scheduled key work", run_due_work)
             ),
+            asyncio.create_task(usage.run()),
         ]
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -209,6 +219,8 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # After the server stopped taking requests: the last counts reach the store.
+            await usage.close()
             await watcher.close()
             await loop_lag.close()
             for executor in by_kind.values():
@@ -257,6 +269,7 @@ def create_app(
     services = Services(
         keys=manager,
         runner=runner,
+        usage=usage,
         max_batch_items=settings.max_batch_items,
         readiness=readiness,
         audit=logs.audit,

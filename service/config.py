@@ -126,6 +126,12 @@ class Settings(BaseSettings):
     access_log: bool = False
     audit_log: str = "stderr"  # "stderr", "off" or a file path
     metrics: bool = True
+    # Keys labelled in cryptd_key_operations_total; later keys count as key="_other".
+    metrics_max_keys: int = Field(default=100, ge=0, le=100_000)
+    # Key usage counts (service/usage/): seconds between flushes to the usage store, and that
+    # store's file beside the keyring (file key store; PostgreSQL keeps them in its database).
+    usage_flush_interval: float = Field(default=2.0, gt=0, le=3600)
+    usage_file: Path | None = None
     # /openapi.json and /docs (unsigned): None = on in development, off in production.
     docs: bool | None = None
 
@@ -139,6 +145,12 @@ class Settings(BaseSettings):
         if not value.get_secret_value().startswith(("postgresql://", "postgres://")):
             raise ValueError("CRYPTD_KEYSTORE_URL must be a postgresql:// URL")
         return value
+
+    def usage_file_path(self) -> Path:
+        """Where the file key store's usage counts live: beside the keyring by default."""
+        from service.usage.store import default_usage_file
+
+        return self.usage_file or default_usage_file(self.keyring_file)
 
     def keystore_url_value(self) -> str | None:
         return None if self.keystore_url is None else self.keystore_url.get_secret_value()

@@ -18,6 +18,7 @@ from service.keys.keyring import Key, Keyring
 from service.keys.manager import KeyManager
 from service.keys.watch import KeyringWatcher
 from service.pool.base import Executor
+from service.usage.recorder import UsageRecorder
 
 
 class CryptoRunner:
@@ -31,7 +32,9 @@ class CryptoRunner:
         observer: Observer | None = None,
         on_overload: Callable[[], None] | None = None,
         watcher: KeyringWatcher | None = None,
+        usage: UsageRecorder | None = None,
     ) -> None:
+        """``usage`` counts every successful item (a dictionary increment, flushed later)."""
         self._keys = keys
         self._watcher = watcher
         self._executors = executors
@@ -39,6 +42,7 @@ class CryptoRunner:
         self._chunk_size = chunk_size
         self._observer = observer
         self._on_overload = on_overload
+        self._usage = usage
 
     async def key(self, name: str) -> tuple[Keyring, Key]:
         """The snapshot and the key called ``name``; a name this worker does not know is looked
@@ -59,19 +63,28 @@ class CryptoRunner:
         if not items:
             return []
         results = await self._dispatch(keyring, key, op, name, items)
-        if self._watcher is None or not any(isinstance(r, KeyNotFound) for r in results):
-            return results
-        # A version (or a rewrap target) this snapshot lacks: look in the store once, and run
-        # those items again if it brought a newer keyring.
+        if self._watcher is not None and any(isinstance(r, KeyNotFound) for r in results):
+            keyring, results = await self._again(keyring, op, name, items, results)
+        usage = self._usage
+        if usage is not None:
+            usage.record(keyring, key, op, items, results)
+        return results
+
+    async def _again(
+        self, keyring: Keyring, op: OpName, name: str, items: Sequence[Item], results: list[Outcome]
+    ) -> tuple[Keyring, list[Outcome]]:
+        """A version (or a rewrap target) this snapshot lacks: look in the store once, and run
+        those items again if it brought a newer keyring."""
+        assert self._watcher is not None
         await self._watcher.after_miss(self._watcher.now())
         fresh = self._keys.keyring
         if fresh.digest == keyring.digest or name not in fresh:
-            return results
+            return keyring, results
         missed = [i for i, r in enumerate(results) if isinstance(r, KeyNotFound)]
         again = await self._dispatch(fresh, fresh[name], op, name, [items[i] for i in missed])
         for index, outcome in zip(missed, again, strict=True):
             results[index] = outcome
-        return results
+        return fresh, results
 
     async def _dispatch(
         self, keyring: Keyring, key: Key, op: OpName, name: str, items: Sequence[Item]

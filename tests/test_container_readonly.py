@@ -127,6 +127,9 @@ def test_server_runs_on_a_read_only_root_filesystem(redis_url: str) -> None:
             "CRYPTD_MASTER_KEY_FILE": str(master),
             "CRYPTD_KEYRING_FILE": str(keyring),
             "CRYPTD_KEYRING_READ_ONLY": "true",
+            # The keyring's directory is read-only (a Secret): usage counts go to the tmpfs,
+            # as k8s/base has them in its emptyDir.
+            "CRYPTD_USAGE_FILE": str(root / "tmp" / "usage" / "keyring.usage.sqlite"),
             "CRYPTD_CLIENTS_FILE": str(clients),
             "CRYPTD_TLS_CERT_FILE": str(tls_dir / "tls.crt"),
             "CRYPTD_TLS_KEY_FILE": str(tls_dir / "tls.key"),

@@ -39,11 +39,34 @@ class DataKey:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyUsage:
+    """A version's usage (``get_key``): successful operations by kind (``encrypt``,
+    ``decrypt``, ``sign``, ``verify``, ``hmac``, ``datakey``, ``rewrap_from``, ``rewrap_to``),
+    their total, and the latest use (RFC 3339; None: never)."""
+
+    operations: Mapping[str, int]
+    total: int
+    last_used_at: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> KeyUsage | None:
+        if data is None:
+            return None
+        operations = {str(k): int(v) for k, v in data.get("operations", {}).items()}
+        return cls(
+            operations=operations,
+            total=int(data.get("total", sum(operations.values()))),
+            last_used_at=data.get("last_used_at"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class KeyVersion:
     version: int
     created_at: str | None = None
     public_key_pem: str | None = None
     public_key_raw: str | None = None
+    usage: KeyUsage | None = None  # None: not sent (a key list) or unreadable on the server
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +110,7 @@ class KeyMetadata:
                     created_at=v.get("created_at"),
                     public_key_pem=v.get("public_key_pem"),
                     public_key_raw=v.get("public_key_raw"),
+                    usage=KeyUsage.from_json(v.get("usage")),
                 )
                 for v in data.get("versions", ())
             ),

@@ -14,6 +14,7 @@ from service.auth import middleware as auth
 from service.keys.manager import KeyManager
 from service.logs import Audit
 from service.runner import CryptoRunner
+from service.usage.recorder import UsageRecorder
 
 
 class ReadinessCheck(Protocol):
@@ -24,6 +25,7 @@ class ReadinessCheck(Protocol):
 class Services:
     keys: KeyManager
     runner: CryptoRunner
+    usage: UsageRecorder
     max_batch_items: int
     readiness: list[tuple[str, ReadinessCheck]]
     audit: Audit

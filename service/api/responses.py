@@ -130,9 +130,40 @@ class KeyMetadata(_Answer):
     )
 
 
+Count = Annotated[int, Field(ge=0)]
+
+
+class OperationCounts(_Answer):
+    """Successful operations per kind (a batch item counts once). ``rewrap`` counts on both
+    versions it touches: ``rewrap_from`` where it decrypted, ``rewrap_to`` where it encrypted."""
+
+    encrypt: Count
+    decrypt: Count
+    sign: Count
+    verify: Count
+    hmac: Count
+    datakey: Count
+    rewrap_from: Count
+    rewrap_to: Count
+
+
+class VersionUsage(_Answer):
+    """Totals across every worker and replica sharing the store, flushed every
+    CRYPTD_USAGE_FLUSH_INTERVAL seconds, plus the answering worker's counts not yet flushed."""
+
+    operations: OperationCounts
+    total: Count
+    last_used_at: Timestamp | None = Field(
+        description="Latest successful operation (null: never), at most one flush interval late.",
+    )
+
+
 class KeyVersionInfo(_Answer):
     version: Version
     created_at: Timestamp
+    usage: VersionUsage | None = Field(
+        description="Operation counts and last use; null while the usage store is unreadable."
+    )
     public_key_pem: str | None = Field(
         default=None, description="SubjectPublicKeyInfo PEM (asymmetric keys only)."
     )
@@ -170,9 +201,11 @@ __all__ = [
     "KeyMetadata",
     "KeySummary",
     "KeyVersionInfo",
+    "OperationCounts",
     "RandomResponse",
     "Readiness",
     "SignResponse",
     "VerifyResponse",
+    "VersionUsage",
     "WrappingKeyResponse",
 ]

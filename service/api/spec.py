@@ -149,7 +149,8 @@ ROUTES: tuple[Route, ...] = (
     # keys
     Route("GET", "/v1/keys", "list_keys", "Keys this client may read", None, {200: r.KeyList},
           SIGNED, tag="keys"),
-    Route("GET", "/v1/keys/{key}", "get_key", "A key's metadata and public keys", None,
+    Route("GET", "/v1/keys/{key}", "get_key",
+          "A key's metadata, public keys and usage per version", None,
           {200: r.KeyDescription}, KEYED, tag="keys"),
     Route("POST", "/v1/keys/{key}", "create_key", "Create a key (admin)", s.CreateKeyRequest,
           {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),

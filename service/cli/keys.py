@@ -1,4 +1,4 @@
-"""``cryptd keys create|rotate|update|delete|cancel-deletion|destroy-due|list|show|
+"""``cryptd keys create|rotate|update|delete|cancel-deletion|destroy-due|list|show|usage|
 set-min-version``: manage keys directly in the key store (the keyring file, or PostgreSQL with
 ``--keystore-url``)."""
 
@@ -159,6 +159,43 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
+def usage(args: argparse.Namespace) -> int:
+    """What the usage store holds for every key (or one): the counts every server flushed,
+    without what running servers counted in the last flush interval."""
+    from service.usage.recorder import as_json, tally
+    from service.usage.store import default_usage_file, open_usage_store
+
+    keyring = _manager(args).keyring
+    names = [args.name] if args.name else sorted(keyring)
+    keys = [keyring.key(name) for name in names]
+    url = args.keystore_url or os.environ.get("CRYPTD_KEYSTORE_URL") or None
+    keyring_file = Path(args.keyring or os.environ.get("CRYPTD_KEYRING_FILE", "keyring.json"))
+    path = args.usage_file or os.environ.get("CRYPTD_USAGE_FILE")
+    store = open_usage_store(url, Path(path) if path else default_usage_file(keyring_file))
+    try:
+        rows = store.read_all()
+    finally:
+        store.close()
+    report = []
+    for key in keys:
+        mine = [
+            (r.version, r.operation, r.count, r.last_used_at)
+            for r in rows
+            if r.key == key.name and r.key_created == key.created_at
+        ]
+        counted = tally(key, mine)
+        report.append(
+            {
+                "name": key.name,
+                "versions": [
+                    {"version": number, **as_json(counted[number])} for number in sorted(counted)
+                ],
+            }
+        )
+    _print({"store": store.description, "keys": report})
+    return 0
+
+
 def set_min_version(args: argparse.Namespace) -> int:
     _print(_manager(args).update(args.name, min_decryption_version=args.version).metadata())
     return 0
@@ -252,6 +289,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = actions.add_parser("show", parents=[common], help="metadata and public keys")
     p.add_argument("name")
     p.set_defaults(func=show)
+
+    p = actions.add_parser(
+        "usage", parents=[common], help="operation counts and last use per key version"
+    )
+    p.add_argument("name", nargs="?", help="one key (default: every key)")
+    p.add_argument(
+        "--usage-file",
+        help="the file key store's usage file (default: $CRYPTD_USAGE_FILE, "
+        "else beside the keyring)",
+    )
+    p.set_defaults(func=usage)
 
     p = actions.add_parser("set-min-version", parents=[common], help="set min_decryption_version")
     p.add_argument("name")

@@ -1,12 +1,15 @@
 """The PostgreSQL key store: the keyring document as rows, shared by every replica.
 
-Three tables (created by ``cryptd keystore init``, never by the service, which needs only
-SELECT, INSERT, UPDATE and DELETE on them; docs/DEPLOY.md has the grants):
+Three tables for the keyring and one for usage counters (created by ``cryptd keystore init``,
+never by the service, which needs only SELECT, INSERT, UPDATE and DELETE on them; docs/DEPLOY.md
+has the grants):
 
 - ``cryptd_keyring``: one row, the document's header: format, deployment id, master key id,
   generation, MAC (and the schema version);
 - ``cryptd_keys``: one row per key, its metadata as JSON;
-- ``cryptd_key_versions``: one row per version, its metadata as JSON and its wrapped material.
+- ``cryptd_key_versions``: one row per version, its metadata as JSON and its wrapped material;
+- ``cryptd_key_usage``: operation counts per key version (service/usage/postgres.py), not part
+  of the document.
 
 Put back together, the rows are exactly the keyring file's document, so the MAC the integrity
 layer checks is the same in both stores and a file keyring moves here unchanged. A change is
@@ -83,8 +86,21 @@ SCHEMA = (
         material bytea NOT NULL,
         PRIMARY KEY (name, version)
     )""",
+    # Usage counters (service/usage/postgres.py): in the same database so that one init and
+    # one set of grants cover them, but outside the keyring document and its MAC; no foreign
+    # key, so a flush never waits on a key change, and key_created tells a key created again
+    # under a deleted name from the old one.
+    """CREATE TABLE IF NOT EXISTS cryptd_key_usage (
+        name text NOT NULL,
+        key_created text NOT NULL,
+        version integer NOT NULL CHECK (version > 0),
+        operation text NOT NULL,
+        count bigint NOT NULL CHECK (count >= 0),
+        last_used_at timestamptz NOT NULL,
+        PRIMARY KEY (name, key_created, version, operation)
+    )""",
 )
-TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions")
+TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions", "cryptd_key_usage")
 HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
 
 
@@ -107,7 +123,7 @@ def describe(conninfo: str) -> str:
     return f"postgresql {user + '@' if user else ''}{host}:{port}/{params.get('dbname', '')}"
 
 
-def _reason(exc: psycopg.Error) -> str:
+def reason(exc: psycopg.Error) -> str:
     """The first line of the server's or libpq's message: no query text, no parameters."""
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
@@ -148,18 +164,18 @@ class PostgresKeyStore:
                 ) from None
             except pg_errors.InsufficientPrivilege as exc:
                 raise StoreUnavailable(
-                    f"{self._description}: permission denied ({_reason(exc)})"
+                    f"{self._description}: permission denied ({reason(exc)})"
                 ) from None
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 self._drop()
                 raise StoreUnavailable(
-                    f"the database {self._description} is unreachable ({_reason(exc)})"
+                    f"the database {self._description} is unreachable ({reason(exc)})"
                 ) from None
             except (psycopg.DataError, psycopg.IntegrityError) as exc:
-                raise IntegrityError(f"malformed rows in the key store ({_reason(exc)})") from None
+                raise IntegrityError(f"malformed rows in the key store ({reason(exc)})") from None
             except psycopg.Error as exc:
                 self._drop()
-                raise StoreUnavailable(f"{self._description}: {_reason(exc)}") from None
+                raise StoreUnavailable(f"{self._description}: {reason(exc)}") from None
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -207,7 +223,7 @@ class PostgresKeyStore:
             conn = self._connect()
         except psycopg.Error as exc:
             raise StoreUnavailable(
-                f"the database {self._description} is unreachable ({_reason(exc)})"
+                f"the database {self._description} is unreachable ({reason(exc)})"
             ) from None
         with conn:
             try:
@@ -215,7 +231,7 @@ class PostgresKeyStore:
                     "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (LOCK_CLASS, purpose)
                 ).fetchone()
             except psycopg.Error as exc:
-                raise StoreUnavailable(f"{self._description}: {_reason(exc)}") from None
+                raise StoreUnavailable(f"{self._description}: {reason(exc)}") from None
             held = bool(row and row[0])
             try:
                 yield held
@@ -237,7 +253,7 @@ class PostgresKeyStore:
             try:
                 conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
             except psycopg.Error as exc:
-                log.warning("key store notifications unavailable", extra={"reason": _reason(exc)})
+                log.warning("key store notifications unavailable", extra={"reason": reason(exc)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_DELAY[1])
                 continue
@@ -251,7 +267,7 @@ class PostgresKeyStore:
                             yield None
                         await conn.execute("SELECT 1")  # quiet for a while: still connected?
             except psycopg.Error as exc:
-                log.warning("key store notifications interrupted", extra={"reason": _reason(exc)})
+                log.warning("key store notifications interrupted", extra={"reason": reason(exc)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_DELAY[1])
 

@@ -77,6 +77,12 @@ def decode_mac(text: str) -> tuple[int, bytes | None]:
     return int(match.group(1)), tag
 
 
+def named_version(text: str) -> int | None:
+    """The version a token or MAC names, without decoding it (None: not a token)."""
+    match = _TOKEN.match(text)
+    return None if match is None else int(match.group(1))
+
+
 def associated_data(name: str, version: int, type_id: int, aad: bytes) -> bytes:
     """Context bound into every AEAD: all fields before ``aad`` are length-delimited."""
     encoded = name.encode()

@@ -16,6 +16,7 @@ import multiprocessing.util
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from service.asgi import ASGIApp
 from service.metrics import definitions, multiproc
 from service.metrics.batch import LoopBatch
 from service.metrics.exposition import ScrapeTimeCollector, Totals, render_directory
+from service.metrics.labels import OTHER, KeyLabels
 from service.metrics.middleware import AccessLogSink, TimingMiddleware
 from service.metrics.window import DEFAULT_SLOTS, SeriesKey, SlidingWindow, merge
 
@@ -61,8 +63,11 @@ class Metrics:
         window_seconds: float = 60.0,
         multiprocess_dir: Path | None = None,
         publish_interval: float = 1.0,
+        max_keys: int = 100,
     ) -> None:
+        """``max_keys``: keys labelled in ``cryptd_key_operations_total`` (labels.py)."""
         self.enabled = enabled
+        self.max_keys = max_keys
         self.window_seconds = window_seconds
         directory = multiprocess_dir if multiprocess_dir is not None else multiproc.env_dir()
         self.multiprocess_dir = directory if enabled else None
@@ -74,6 +79,7 @@ class Metrics:
         self._children: dict[tuple[str, str], Any] = {}
         self._series_lock = threading.Lock()
         self._batch = LoopBatch(self._window)
+        self._key_labels = KeyLabels(max_keys, self.multiprocess_dir)
         if not enabled:
             return
         if self.multiprocess_dir is not None:
@@ -99,8 +105,11 @@ class Metrics:
             _close_at_exit(self)
         _forget_parent_after_fork(self)
 
-    def __reduce__(self) -> tuple[Any, tuple[bool, float, Path | None]]:
-        return (_process_instance, (self.enabled, self.window_seconds, self.multiprocess_dir))
+    def __reduce__(self) -> tuple[Any, tuple[bool, float, Path | None, int]]:
+        return (
+            _process_instance,
+            (self.enabled, self.window_seconds, self.multiprocess_dir, self.max_keys),
+        )
 
     # -- the request path -------------------------------------------------------------------
 
@@ -176,6 +185,27 @@ class Metrics:
     def queue_wait(self, seconds: float, *, executor: str = "process") -> None:
         if self.enabled:
             self._child(self._families.pool_queue_wait, executor).observe(seconds)
+
+    def key_operations(self, counts: Mapping[tuple[str, str, int, str], int]) -> None:
+        """Add usage counts ((key, key created_at, version, operation) -> count): called when
+        they are flushed, never per request. Keys beyond the cap count as ``_other``."""
+        if not self.enabled:
+            return
+        family = self._families.key_operations
+        labelled = self._key_labels.labelled
+        totals: dict[tuple[str, str, str], int] = {}
+        for (name, _, version, operation), count in counts.items():
+            if labelled(name):
+                labels = (name, str(version), operation)
+            else:
+                labels = (OTHER, OTHER, operation)
+            totals[labels] = totals.get(labels, 0) + count
+        for labels, count in totals.items():
+            family.labels(*labels).inc(count)
+
+    def usage_flush(self, ok: bool) -> None:
+        if self.enabled:
+            self._child(self._families.usage_flushes, "ok" if ok else "error").inc()
 
     def keyring_reload(self, ok: bool) -> None:
         if self.enabled:
@@ -253,18 +283,23 @@ class Metrics:
             self._publisher.after_fork()
 
 
-_instances: dict[tuple[int, bool, float, Path | None], Metrics] = {}
+_instances: dict[tuple[int, bool, float, Path | None, int], Metrics] = {}
 _instances_lock = threading.Lock()
 
 
-def _process_instance(enabled: bool, window_seconds: float, directory: Path | None) -> Metrics:
+def _process_instance(
+    enabled: bool, window_seconds: float, directory: Path | None, max_keys: int = 100
+) -> Metrics:
     """Unpickling target: one Metrics per configuration per process."""
-    key = (os.getpid(), enabled, window_seconds, directory)
+    key = (os.getpid(), enabled, window_seconds, directory, max_keys)
     with _instances_lock:
         found = _instances.get(key)
         if found is None:
             found = _instances[key] = Metrics(
-                enabled=enabled, window_seconds=window_seconds, multiprocess_dir=directory
+                enabled=enabled,
+                window_seconds=window_seconds,
+                multiprocess_dir=directory,
+                max_keys=max_keys,
             )
     return found
 

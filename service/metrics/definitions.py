@@ -33,6 +33,8 @@ POOL_QUEUE_WAIT = "cryptd_pool_queue_wait_seconds"
 AUTH_FAILURES = "cryptd_auth_failures"
 REJECTIONS = "cryptd_rejections"
 KEYRING_RELOADS = "cryptd_keyring_reloads"
+KEY_OPERATIONS = "cryptd_key_operations"  # exported as cryptd_key_operations_total
+USAGE_FLUSHES = "cryptd_usage_flushes"
 BUILD_INFO = "cryptd_build_info"
 
 # Counters read from a histogram's _count at scrape time: histogram -> (counter, help).
@@ -60,6 +62,8 @@ class Families:
     auth_failures: Counter
     rejections: Counter
     keyring_reloads: Counter
+    key_operations: Counter
+    usage_flushes: Counter
 
 
 def create_families(registry: CollectorRegistry | None) -> Families:
@@ -131,6 +135,20 @@ def create_families(registry: CollectorRegistry | None) -> Families:
         keyring_reloads=Counter(
             KEYRING_RELOADS,
             "Keyring reloads from the keyring file, by outcome.",
+            ("outcome",),
+            registry=registry,
+        ),
+        key_operations=Counter(
+            KEY_OPERATIONS,
+            "Successful operations per key version (batch items count one each; rewrap counts"
+            " rewrap_from and rewrap_to), added when the usage counts are flushed. Keys beyond"
+            ' CRYPTD_METRICS_MAX_KEYS count under key and version "_other".',
+            ("key", "version", "operation"),
+            registry=registry,
+        ),
+        usage_flushes=Counter(
+            USAGE_FLUSHES,
+            "Writes of the usage counts to the usage store, by outcome (ok, error).",
             ("outcome",),
             registry=registry,
         ),

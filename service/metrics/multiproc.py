@@ -39,6 +39,7 @@ _METRIC_FILE = re.compile(r"(counter|histogram|summary|gauge_[a-z]+)_\d+\.db\Z")
 _WINDOW_FILE = re.compile(r"window_(\d+)\.json\Z")
 _WINDOW_TEMP = re.compile(r"\.window_\d+\.tmp\Z")
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db\Z")
+KEY_LABELS_FILE = "key_labels.txt"  # service/metrics/labels.py: this run's labelled keys
 
 _activated: Path | None = None
 _activation_lock = threading.Lock()
@@ -54,7 +55,10 @@ def init_multiprocess_dir(path: Path) -> None:
     for entry in path.iterdir():
         name = entry.name
         if entry.is_file() and (
-            _METRIC_FILE.match(name) or _WINDOW_FILE.match(name) or _WINDOW_TEMP.match(name)
+            _METRIC_FILE.match(name)
+            or _WINDOW_FILE.match(name)
+            or _WINDOW_TEMP.match(name)
+            or name == KEY_LABELS_FILE
         ):
             entry.unlink(missing_ok=True)
     os.environ[ENV_VAR] = str(path)

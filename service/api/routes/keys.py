@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -15,6 +15,7 @@ from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, parse_model, parse_update
 from service.errors import CryptdError
 from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
+from service.usage.recorder import as_json as usage_json
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -91,8 +92,15 @@ async def describe_key(request: Request, key: str) -> Response:
     check_key_name(key)
     deps.note(request, key=key, operation="read")
     deps.authorize(request, key, "read")
-    _, found = await deps.services(request).runner.key(key)
-    return json_response(found.describe())
+    services = deps.services(request)
+    _, found = await services.runner.key(key)
+    described = found.describe()
+    # Stored totals plus this worker's counts not flushed yet; null while unreadable.
+    usage = await services.usage.usage(found)
+    versions = cast(list[dict[str, object]], described["versions"])
+    for entry in versions:
+        entry["usage"] = None if usage is None else usage_json(usage[cast(int, entry["version"])])
+    return json_response(described)
 
 
 @router.post("/{key}", status_code=201)
