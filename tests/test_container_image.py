@@ -50,7 +50,7 @@ import httpx
 import pytest
 
 from service.client import ConflictError, CryptdClient
-from service.edge.devcerts import issue, make_ca
+from service.edge.devcerts import Issued, issue, make_ca
 from tests.test_k8s_support import (
     IN_CI,
     K8S,
@@ -411,11 +411,11 @@ class Container:
             self.process.wait(timeout=30)
 
 
-def _tls_secret() -> dict[str, bytes]:
-    """The server's TLS Secret in cert-manager's layout: a private CA and a certificate it
-    issued for the Certificate's DNS names, plus the loopback address the test connects to
-    (the host's network is shared)."""
-    ca = make_ca("cryptd image test CA")
+def _tls_secret(ca: Issued | None = None) -> dict[str, bytes]:
+    """The server's TLS Secret in cert-manager's layout: a private CA (``ca``, or a new one)
+    and a certificate it issued for the Certificate's DNS names, plus the loopback address the
+    test connects to (the host's network is shared)."""
+    ca = ca or make_ca("cryptd image test CA")
     leaf = issue(ca, [*_server_certificate()["spec"]["dnsNames"], "127.0.0.1"])
     # tls.crt holds the chain, leaf first, as cert-manager writes it.
     return {
@@ -1123,3 +1123,101 @@ def test_the_key_store_over_tls_verified_against_the_mounted_ca(
     assert "certificate verify failed" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     assert secrets["cryptd-master-key"]["master.key"].strip().decode() not in log
+
+
+def test_mutual_tls_as_the_deployment_guide_sets_it_up(
+    image: Image, pod: dict[str, Any], redis_url: str
+) -> None:
+    """docs/DEPLOY.md's mutual TLS: CRYPTD_TLS_CLIENT_CA_FILE on the TLS Secret's ca.crt and
+    CRYPTD_TLS_CLIENT_CERT=optional so the probes (which present no certificate) pass; client
+    certificates from the same CA. A certificate-only client is served without a signature, a
+    signing client without a certificate still is, another CA's certificate is refused at the
+    handshake, and the image's HEALTHCHECK passes."""
+    require_cli()
+    ca = make_ca("cryptd mutual TLS CA")
+    identity = "spiffe://cluster.local/ns/payroll/sa/payroll"
+    config = {
+        "cryptd-config": {
+            **_config_map("cryptd-config"),
+            "CRYPTD_TLS_CLIENT_CA_FILE": "/etc/cryptd/tls/ca.crt",
+            "CRYPTD_TLS_CLIENT_CERT": "optional",
+        }
+    }
+    with world_tempdir() as work:
+        secrets, (client_id, secret) = _secrets(work, redis_url, keys=KEYS[:1])
+        secrets["cryptd-tls"] = _tls_secret(ca)
+        clients = work / "made" / "clients.json"
+        subprocess.run(
+            [
+                str(work / "bin" / "cryptd"),
+                "clients",
+                "add",
+                "payroll",
+                "--certificate",
+                identity,
+                "--certificate-only",
+                "--allow",
+                "payments:encrypt",
+                "--file",
+                str(clients),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        secrets["cryptd-clients"] = {"clients.json": clients.read_bytes()}
+        for name, issued in (
+            ("payroll", issue(ca, [identity], server=False, client=True)),
+            ("stranger", issue(make_ca("another CA"), [identity], server=False, client=True)),
+        ):
+            (work / f"{name}.crt").write_bytes(issued.cert_pem())
+            (work / f"{name}.key").write_bytes(issued.key_pem())
+        container = Container(image, pod, secrets, work, config)
+        container.start()
+        try:
+            container.wait_ready()  # the readiness probe's request: no client certificate
+            health = container.exec(image.config["Healthcheck"]["Test"][1:])
+            assert health.returncode == 0, health.stderr
+            body = {"plaintext": "cGF5c2xpcA=="}
+            headers = {"Content-Type": "application/json"}
+            payroll = container.verify()
+            payroll.load_cert_chain(work / "payroll.crt", work / "payroll.key")
+            with httpx.Client(verify=payroll, timeout=10) as http:
+                sealed = http.post(
+                    container.url + "/v1/encrypt/payments", json=body, headers=headers
+                )
+                assert sealed.status_code == 200, sealed.text
+                # Its policy holds: encrypt only.
+                opened = http.post(
+                    container.url + "/v1/decrypt/payments", json=sealed.json(), headers=headers
+                )
+                assert opened.status_code == 403, opened.text
+            # Unsigned and without a certificate: nobody.
+            anonymous = httpx.post(
+                container.url + "/v1/encrypt/payments",
+                json=body,
+                headers=headers,
+                verify=container.verify(),
+                timeout=10,
+            )
+            assert anonymous.status_code == 401, anonymous.text
+            # A signing client needs no certificate.
+            with Running(container, client_id, secret).client() as cryptd:
+                token = cryptd.encrypt("payments", b"payslip").ciphertext
+                assert cryptd.decrypt("payments", token).plaintext == b"payslip"
+            # Another CA's certificate: refused at the handshake.
+            stranger = container.verify()
+            stranger.load_cert_chain(work / "stranger.crt", work / "stranger.key")
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                httpx.post(
+                    container.url + "/v1/encrypt/payments",
+                    json=body,
+                    headers=headers,
+                    verify=stranger,
+                    timeout=10,
+                )
+            assert container.process is not None
+            assert container.process.poll() is None
+        finally:
+            container.stop()
+        log = container.log()
+    assert "Traceback" not in log, log[-3000:]
