@@ -5,6 +5,7 @@ labelled keys shared by processes through its file."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from service.metrics.labels import KeyLabels
 from service.usage.postgres import PostgresUsageStore
 from service.usage.recorder import UsageRecorder, as_json
 from service.usage.sqlite import SqliteUsageStore
-from service.usage.store import UsageUnavailable
+from service.usage.store import UsageRow, UsageUnavailable
 
 
 @pytest.fixture
@@ -35,6 +36,14 @@ def keyring(tmp_path: Path) -> Keyring:
     manager.create("b", "hmac-sha256")
     manager.create("s", "ed25519")
     return manager.keyring
+
+
+def stored(path: Path) -> list[UsageRow]:
+    store = SqliteUsageStore(path)
+    try:
+        return store.read_all()
+    finally:
+        store.close()
 
 
 class Clock:
@@ -79,7 +88,7 @@ def test_counts_survive_an_outage_and_are_stored_once(tmp_path: Path, keyring: K
 
     asyncio.run(scenario())
     assert outcomes == [False, False, True]
-    rows = SqliteUsageStore(tmp_path / "usage.sqlite").read_all()
+    rows = stored(tmp_path / "usage.sqlite")
     assert sorted((r.version, r.operation, r.count) for r in rows) == [
         (1, "decrypt", 1),
         (2, "encrypt", 4),
@@ -176,3 +185,35 @@ def test_a_postgresql_store_without_the_table_says_how_to_add_it(pg_database: st
         assert store.read("k", "2025-01-01T00:00:00Z") == []
     finally:
         store.close()
+
+
+def test_a_read_during_a_flush_sees_every_count_once(tmp_path: Path, keyring: Keyring) -> None:
+    path = tmp_path / "usage.sqlite"
+    recorder = UsageRecorder(SqliteUsageStore(path))
+    key = keyring["a"]
+    one = [{"key_version": 1}]
+
+    async def scenario() -> None:
+        recorder.record(keyring, key, "encrypt", [None], one)
+        await recorder.flush()  # creates the file: 1 stored
+        # Another process holds the database's write lock: the next flush waits for it.
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        for _ in range(3):
+            recorder.record(keyring, key, "encrypt", [None], one)
+        flushing = asyncio.create_task(recorder.flush())
+        await asyncio.sleep(0.2)  # the 3 are cut and being written
+        recorder.record(keyring, key, "encrypt", [None], one)  # counting goes on meanwhile
+        reading = asyncio.create_task(recorder.usage(key))
+        await asyncio.sleep(0.2)
+        blocker.execute("COMMIT")
+        blocker.close()
+        await flushing
+        usage = await reading
+        assert usage is not None
+        assert usage[1]["operations"]["encrypt"] == 5
+        await recorder.close()
+
+    asyncio.run(scenario())
+    (row,) = stored(path)
+    assert row.count == 5
