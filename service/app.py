@@ -28,6 +28,7 @@ from service.api.routes import crypto, health, keys, random, transfer
 from service.api.spec import allowed_methods
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth.middleware import SignatureAuthMiddleware
+from service.auth.replay_host import sibling_directory
 from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
@@ -329,5 +330,11 @@ class Service(FastAPI):
 
 
 def app_factory() -> FastAPI:
-    """Entry point for ``uvicorn --factory`` (each server worker process builds its own app)."""
-    return create_app(Settings())
+    """Entry point for ``uvicorn --factory`` (each server worker process builds its own app).
+    Workers a process manager spawned with no shared store (``uvicorn --workers N``) get the
+    host store of their siblings: each one's memory would accept a replay once per worker."""
+    settings = Settings()
+    unshared = settings.redis_url is None and settings.replay_dir is None
+    if unshared and (shared := sibling_directory()) is not None:
+        settings = settings.model_copy(update={"replay_dir": shared})
+    return create_app(settings)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,3 +215,52 @@ def test_the_configured_skew_reaches_the_signature_check(tmp_path: Path) -> None
             assert httpx.get(server.url + "/v1/keys", headers=headers).status_code == status
     finally:
         stop_server(server)
+
+
+@pytest.mark.slow
+def test_uvicorn_workers_share_a_replay_store(tmp_path: Path) -> None:
+    """``uvicorn --factory --workers 2`` (not cryptd serve, so no store is given): the workers
+    find their siblings' host store, and a replay sent over fresh connections is accepted once."""
+    dev = start_server(tmp_path / "dev")  # makes the development keyring and client
+    stop_server(dev)
+    state = tmp_path / "dev" / "dev"
+    port = free_port()
+    env = {
+        **os.environ,
+        "CRYPTD_ENV": "development",
+        "CRYPTD_MASTER_KEY_FILE": str(state / "master.key"),
+        "CRYPTD_KEYRING_FILE": str(state / "keyring.json"),
+        "CRYPTD_CLIENTS_FILE": str(state / "clients.json"),
+    }
+    for name in ("CRYPTD_WORKERS", "CRYPTD_REPLAY_DIR", "CRYPTD_REDIS_URL", "CRYPTD_DEV_DIR"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "uvicorn", "--factory", "service.app:app_factory"]
+    command += ["--workers", "2", "--port", str(port), "--log-level", "warning"]
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "uvicorn.log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        body = orjson.dumps({"plaintext": "aGVsbG8="})
+        path = "/v1/encrypt/aes256-gcm"
+        deadline = time.monotonic() + 60
+        while True:  # up, and past the new store's start-up window (503 until then)
+            assert process.poll() is None, (tmp_path / "uvicorn.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "uvicorn.log").read_text()[-3000:]
+            headers = sign_request("POST", path, "", body, dev.client_id, dev.secret)
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.post(url + path, content=body, headers=headers).status_code == 200:
+                    break
+            time.sleep(0.3)
+        readiness = httpx.get(url + "/readyz").json()["checks"]["replay_store"]
+        assert readiness == {"ok": True, "backend": "host"}
+        headers = sign_request("POST", path, "", body, dev.client_id, dev.secret)
+        statuses = []
+        for _ in range(30):  # fresh connections: the kernel hands them to either worker
+            with httpx.Client(base_url=url) as fresh:
+                statuses.append(fresh.post(path, content=body, headers=headers).status_code)
+        assert sorted(statuses) == [200] + [401] * 29, statuses
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        shared = Path(tempfile.gettempdir()) / f"cryptd-replay-{os.geteuid()}-{process.pid}"
+        shutil.rmtree(shared, ignore_errors=True)

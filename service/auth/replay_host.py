@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import multiprocessing
 import os
 import stat
 import struct
+import tempfile
 import time
 from pathlib import Path
 from typing import Final
@@ -227,6 +229,29 @@ def private_directory(base: Path) -> Path:
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ReplayStoreError(f"replay store directory {directory} is not writable")
     return directory
+
+
+def sibling_directory() -> Path | None:
+    """Where workers that a process manager spawned without a store share one: a private
+    directory named after their parent (``uvicorn --workers N`` or ``--reload`` start the app
+    in multiprocessing children). None in a process nobody spawned, which is one worker.
+    ``cryptd serve`` gives its workers a directory of its own and never needs this."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return None
+    base = Path(tempfile.gettempdir()) / f"cryptd-replay-{os.geteuid()}-{parent.pid}"
+    try:
+        base.mkdir(mode=0o700, exist_ok=True)
+        info = base.lstat()
+    except OSError as exc:
+        raise ReplayStoreError(f"replay store directory {base}: {exc.strerror}") from exc
+    # The name is predictable: a directory someone else made first is refused, not used.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise ReplayStoreError(
+            f"replay store directory {base} is not a private directory of this user: "
+            "set CRYPTD_REPLAY_DIR or CRYPTD_REDIS_URL, or start the server with cryptd serve"
+        )
+    return base
 
 
 def boot_id(proc: Path = Path("/proc")) -> str:
