@@ -162,11 +162,16 @@ def create_app(
     async def audit_ready() -> tuple[bool, dict[str, Any]]:
         return logs.audit.healthy(), {"enabled": logs.audit.enabled}
 
+    async def usage_ready() -> tuple[bool, dict[str, Any]]:
+        # Usage is informational: a usage store that cannot be written leaves the pod ready.
+        return True, usage.health()
+
     readiness: list[tuple[str, ReadinessCheck]] = [
         ("pool", pool_ready),
         ("replay_store", replay_ready),
         ("audit", audit_ready),
         ("server", server_ready),
+        ("usage", usage_ready),
     ]
 
     async def publish_pool_gauges() -> None:

@@ -112,6 +112,8 @@ def test_counts_from_every_worker_add_up_exactly(two_workers: Server) -> None:
         "total": 0,
         "last_used_at": None,
     }
+    usage_check = server.request("GET", "/readyz", sign=False).json()["checks"]["usage"]
+    assert usage_check == {"ok": True, "backend": "sqlite", "stored": True}
     # Writes follow the clock, not the requests: at most one per worker and interval.
     elapsed = time.time() - started
     assert 0 < flushes(server) <= 2 * (elapsed / 0.2 + 2)
@@ -309,3 +311,32 @@ def test_two_replicas_on_postgresql_count_into_one_total(
 
         wait_for(lambda: row_writes() > 0, timeout=10, what="the table statistics")
         assert row_writes() <= total_flushes + len(servers) * 2
+
+
+def test_a_usage_store_that_cannot_be_written_refuses_nothing(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    env = {**FAST, "CRYPTD_USAGE_FILE": str(blocked / "usage.sqlite")}
+    server = start_server(tmp_path / "server", env, workers=2)
+    try:
+        for _ in range(5):
+            answer = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": PLAINTEXT})
+            assert answer.status_code == 200
+        time.sleep(0.6)
+        ready = server.request("GET", "/readyz", sign=False)
+        assert ready.status_code == 200
+        assert ready.json()["status"] == "ready"
+        assert ready.json()["checks"]["usage"] == {"ok": True, "backend": "sqlite", "stored": False}
+        assert versions(server, "aes256-gcm")[1] is None  # unknown, not zero
+        failed = metric(server, "cryptd_usage_flushes_total").get('{outcome="error"}', 0)
+        assert failed >= 1
+        # The counts still reach the metric, and the error is logged once per outage.
+        wait_for(
+            lambda: sum(metric(server, "cryptd_key_operations_total").values()) == 5,
+            timeout=10,
+            what="the metric",
+        )
+        assert server.log().count("usage counts not stored") <= 2  # one per worker
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0

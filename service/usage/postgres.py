@@ -38,6 +38,8 @@ SELECT = (
 
 
 class PostgresUsageStore:
+    backend = "postgresql"
+
     def __init__(self, url: str) -> None:
         self._conninfo = connection_info(url)
         self._description = describe(self._conninfo)

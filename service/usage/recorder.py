@@ -197,6 +197,14 @@ class UsageRecorder:
             if self.store is not None:
                 await asyncio.to_thread(self.store.close)
 
+    def health(self) -> dict[str, Any]:
+        """For readiness: informational (a usage store that is down refuses nothing); the
+        reason is in the log, not in this unauthenticated answer."""
+        return {
+            "backend": "memory" if self.store is None else self.store.backend,
+            "stored": not self._failing,
+        }
+
     # -- reading ------------------------------------------------------------------------------
 
     async def usage(self, key: Key) -> dict[int, VersionUsage] | None:

@@ -40,6 +40,8 @@ BUSY_TIMEOUT = 10.0  # seconds a writer waits for another worker's flush
 
 
 class SqliteUsageStore:
+    backend = "sqlite"
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()

@@ -53,6 +53,10 @@ class UsageRow:
 
 class UsageStore(Protocol):
     @property
+    def backend(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+
+    @property
     def description(self) -> str:
         """Where the counters live, for logs (never a password)."""
 
