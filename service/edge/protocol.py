@@ -36,6 +36,14 @@ These refusals close the connection and are counted through the lifespan state's
 
 **TLS connections** carry the ASGI TLS extension (``scope["extensions"]["tls"]``), built once
 per connection.
+
+**A response leaves in one write**: uvicorn writes the status line and header fields when the
+app sends ``http.response.start`` and the body when it sends ``http.response.body``, two
+``transport.write`` calls: over TLS two records (two SSL_write calls, two AEAD seals) and on
+any connection two sends. Here the response cycles write through the connection's
+:class:`_ResponseWriter`, which holds the head until the first body write (or the response's
+end, for a HEAD answer without a body) and sends both together; every other write (``100
+Continue``, later body parts) goes straight through.
 """
 
 from __future__ import annotations
@@ -48,7 +56,11 @@ from typing import Any, ClassVar
 
 import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 from service.asgi import error_body, request_id
@@ -124,6 +136,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refusal: _Refusal | None = None
         self._extensions: dict[str, Any] | None = None
         self._upgrade_body: _UpgradeBody | None = None
+        self._writer: _ResponseWriter | None = None  # made with the first request's cycle
 
     # --- connection ------------------------------------------------------------------------
 
@@ -137,6 +150,20 @@ class EdgeProtocol(HttpToolsProtocol):
         self.timeout_keep_alive_task = self.loop.call_later(
             self._step, self.timeout_keep_alive_handler
         )
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # The cycle's task has not run yet: it writes its whole answer through the writer.
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = _ResponseWriter(self.transport)
+        writer.cycle = cycle
+        cycle.transport = writer  # type: ignore[assignment]
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -296,6 +323,59 @@ class EdgeProtocol(HttpToolsProtocol):
         # A stand-in head with the framing only; its head events are dropped.
         head = b"POST / HTTP/1.1\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in framing)
         return head + b"\r\n" + rest
+
+
+_JOIN_LIMIT = 64 * 1024  # a larger first body part goes out beside the head, not copied onto it
+
+
+class _ResponseWriter:
+    """The connection's transport as its response cycles see it: the head a cycle writes on
+    ``http.response.start`` is held and leaves with the first body part in one write (see the
+    module's docstring). Responses on a connection are written one after another (uvicorn
+    starts a pipelined request's cycle when the answer before it is complete), so one writer
+    per connection holds at most one head. uvicorn calls only ``write``, ``close`` and
+    ``is_closing`` on it."""
+
+    __slots__ = ("_head", "_transport", "cycle")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+        # The cycle being answered, until its head is written (then dropped, so that no
+        # reference cycle outlives the response).
+        self.cycle: RequestResponseCycle | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            if len(data) <= _JOIN_LIMIT:
+                self._transport.write(head + data)
+            else:
+                self._transport.writelines((head, data))
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            # What a cycle writes first once its response has started is the head (before
+            # that only "100 Continue", which goes out at once).
+            self.cycle = None
+            self._head = data
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        """Send a head still held: the response ended without a body write (HEAD)."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
 
 
 class _UpgradeBody:
