@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.auth.signature import DEFAULT_MAX_SKEW
 from service.cpus import available_cpus
+from service.keys.manager import MAX_DELETION_WAITING_PERIOD
 from service.pool.base import ExecutorKind
 
 # Where a key type's work runs: an executor kind, or "mixed": one item on the event loop,
@@ -70,7 +71,7 @@ class Settings(BaseSettings):
     auto_rotate_check_interval: float = Field(default=10.0, gt=0)
     # Seconds between DELETE and the destruction of the key (pending_deletion meanwhile,
     # cancel-deletion undoes it); 0: deleted at once. Unset: 7 days, 0 in development.
-    deletion_waiting_period: int | None = Field(default=None, ge=0, le=366 * 86400)
+    deletion_waiting_period: int | None = Field(default=None, ge=0, le=MAX_DELETION_WAITING_PERIOD)
     keyring_reload_interval: float = Field(default=1.0, gt=0)
     keyring_read_only: bool = False
     # Seconds a new key version waits before encryptions and signatures use it, so that every
