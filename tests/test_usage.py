@@ -340,3 +340,21 @@ def test_a_usage_store_that_cannot_be_written_refuses_nothing(tmp_path: Path) ->
     finally:
         stop_server(server)
     assert server.process.returncode == 0
+
+
+def test_operations_run_in_pool_processes_and_threads_are_counted(tmp_path: Path) -> None:
+    executors = orjson.dumps({"aes256-gcm": "process", "ed25519": "thread"}).decode()
+    server = start_server(tmp_path, {**FAST, "CRYPTD_EXECUTORS": executors}, workers=1)
+    try:
+        for _ in range(3):
+            answer = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": PLAINTEXT})
+            assert answer.status_code == 200
+        batch = {"batch": [{"plaintext": PLAINTEXT}] * 70}  # two chunks of the pool
+        assert server.request("POST", "/v1/encrypt/aes256-gcm", batch).status_code == 200
+        signed = server.request("POST", "/v1/sign/ed25519", {"message": PLAINTEXT})
+        assert signed.status_code == 200
+        time.sleep(0.6)
+        assert versions(server, "aes256-gcm")[1]["operations"]["encrypt"] == 73
+        assert versions(server, "ed25519")[1]["operations"]["sign"] == 1
+    finally:
+        stop_server(server)
