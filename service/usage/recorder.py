@@ -211,6 +211,8 @@ class UsageRecorder:
         """Per version of ``key``: ``{"operations": {op: count}, "last_used_at": epoch |
         None}``, stored totals plus this process's counts not stored yet; None when the store
         cannot be read now."""
+        if self._failing:  # the last flush could not reach the store: do not wait on it
+            return None
         try:
             stored, pending, counts = await asyncio.to_thread(self._read, key)
         except UsageUnavailable as exc:
