@@ -53,6 +53,20 @@ def backup(server: Server, name: str) -> str:
     return blob
 
 
+def metadata(server: Server, name: str) -> dict[str, Any]:
+    """The key's metadata without its usage: usage counts the traffic of the server that
+    answers, so a backup does not carry it (a restored key starts at zero, checked here)."""
+    body = ok(server.request("GET", f"/v1/keys/{name}"))
+    for version in body["versions"]:
+        assert set(version.pop("usage")) == {"operations", "total", "last_used_at"}
+    return body
+
+
+def usage_totals(server: Server, name: str) -> list[int]:
+    versions = ok(server.request("GET", f"/v1/keys/{name}"))["versions"]
+    return [v["usage"]["total"] for v in versions]
+
+
 def restore(server: Server, name: str, blob: str) -> httpx.Response:
     return server.request("POST", f"/v1/keys/{name}/restore", {"backup": blob})
 
@@ -68,9 +82,10 @@ def test_a_restored_key_decrypts_the_first_servers_tokens(pair: tuple[Server, Se
     blob = backup(a, "bk-aes")
     assert_error(b.request("GET", "/v1/keys/bk-aes"), 404, "key_not_found")
     restored = ok(restore(b, "bk-aes", blob), 201)
-    original = ok(a.request("GET", "/v1/keys/bk-aes"))
+    original = metadata(a, "bk-aes")
     assert restored == {k: v for k, v in original.items() if k != "versions"}
-    assert ok(b.request("GET", "/v1/keys/bk-aes")) == original  # versions, dates, metadata
+    assert metadata(b, "bk-aes") == original  # versions, dates, metadata
+    assert usage_totals(b, "bk-aes") == [0, 0]
     first = ok(
         b.request("POST", "/v1/decrypt/bk-aes", {"ciphertext": old["ciphertext"], "aad": b64(b"x")})
     )
@@ -109,7 +124,7 @@ def test_every_kind_of_key_and_its_metadata_survive(pair: tuple[Server, Server])
     ]
     for name in ("bk-conv", "bk-rsa", "bk-hmac"):
         ok(restore(b, name, backup(a, name)), 201)
-        assert ok(b.request("GET", f"/v1/keys/{name}")) == ok(a.request("GET", f"/v1/keys/{name}"))
+        assert metadata(b, name) == metadata(a, name)
     assert ok(b.request("POST", "/v1/encrypt/bk-conv", conv))["ciphertext"] == token
     verified = b.request(
         "POST", "/v1/verify/bk-rsa", {"message": b64(b"m"), "signature": signature}
