@@ -6,6 +6,7 @@ import asyncio
 import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,36 @@ async def test_a_miss_looks_in_the_store_once_and_finds_the_new_key(tmp_path: Pa
     await asyncio.gather(*(watcher.after_miss(watcher.now()) for _ in range(20)))
     assert calls == 2
     assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.timeout(20)
+async def test_a_check_that_finished_before_its_callbacks_ran_does_not_block_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A check can be done while its done callback still waits in the loop's queue (the
+    refresh thread finished; a notification or a miss arrives in the same loop iteration).
+    Awaiting it then returns without yielding: the caller must settle the check itself, or it
+    spins on the loop and the worker answers nothing more."""
+    from service.keys.watch import KeyringWatcher
+
+    reader, master, path = fresh(tmp_path)
+    writer = KeyManager(path, master)
+    writer.load()
+    checks = 0
+
+    def already_done(refresh: Callable[[], bool]) -> asyncio.Future[bool]:
+        # Completed before anyone awaits it: its callbacks are only scheduled.
+        nonlocal checks
+        checks += 1
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(refresh())
+        return future
+
+    watcher = KeyringWatcher(reader, interval=3600, run_blocking=already_done)
+    writer.create("late", "aes256-gcm")
+    await watcher.refresh()
+    assert "late" in reader.keyring
+    writer.create("later", "aes256-gcm")
+    await watcher.after_miss(watcher.now())
+    assert "later" in reader.keyring
+    assert checks == 2

@@ -79,18 +79,26 @@ class KeyringWatcher:
                     await asyncio.sleep(wait)
                     continue
                 task = self._start(loop.time())
+            started = self._task_started
             with contextlib.suppress(Exception):  # refresh() never raises; a dead executor may
                 await asyncio.shield(task)
+            # Awaiting a check that is already done returns without yielding to the loop, so
+            # its done callback may not have run yet: settle it here, or this loop would spin
+            # forever on a finished check and block the worker.
+            self._settle(task, started)
+
+    def _settle(self, task: asyncio.Future[bool], started: float) -> None:
+        """Record a finished check (idempotent: its callback and its waiters both call it)."""
+        if self._task is task:
+            self._task = None
+        self._completed_started = max(self._completed_started, started)
 
     def _start(self, started: float) -> asyncio.Future[bool]:
         task = asyncio.ensure_future(self._run_blocking(self._manager.refresh))
         self._task, self._task_started = task, started
 
         def done(finished: asyncio.Future[bool]) -> None:
-            # Registered first, so it runs before any waiter resumes.
-            if self._task is finished:
-                self._task = None
-            self._completed_started = max(self._completed_started, started)
+            self._settle(finished, started)
             if not finished.cancelled() and finished.exception() is not None:
                 log.error(
                     "keyring check failed",
