@@ -126,6 +126,67 @@ def test_a_full_store_refuses_instead_of_forgetting(tmp_path: Path) -> None:
     store.close()
 
 
+async def test_nonces_of_one_loop_iteration_share_one_transaction_each_with_its_answer(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, epoch=NOW, max_skew=5)
+    assert await store.remember("a", "before", NOW + 5, 300)  # a batch of its own
+    batches = store._batcher.batches
+    calls = [
+        store.remember("a", "n1", NOW + 5, 300),
+        store.remember("a", "n1", NOW + 5, 300),  # the replay of the one just before
+        store.remember("a", "before", NOW + 5, 300),  # the replay of an earlier batch's
+        store.remember("b", "n1", NOW + 5, 300),  # another client's nonce
+        store.remember("a", "early", NOW + 2, 300),  # created before epoch + skew
+        store.remember("a", "n2", NOW + 6, 300),
+    ]
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    assert store._batcher.batches == batches + 1
+    assert answers[:4] == [True, False, False, True]
+    assert isinstance(answers[4], StoreRecovering)
+    assert answers[4].retry_after == 3
+    assert answers[5] is True
+    # What a batch remembered is remembered: a later batch refuses it, whichever process asks.
+    assert not store.remember_now("a", "n2", NOW + 6, NOW + 6)
+    assert not await store.remember("a", "n1", NOW + 5, 300)
+    store.close()
+
+
+async def test_a_store_that_cannot_write_refuses_every_nonce_of_the_batch(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, max_bytes=1024 * 1024)
+    accepted = 0
+    try:
+        while store.remember_now("a", f"n{accepted}", NOW, NOW):
+            accepted += 1
+    except StoreUnavailable:
+        pass
+    assert accepted > 10_000
+    answers = await asyncio.gather(
+        *(store.remember("a", f"late{i}", NOW, 300) for i in range(5)), return_exceptions=True
+    )
+    assert [str(answer) for answer in answers] == ["replay store full"] * 5
+    assert all(isinstance(answer, StoreUnavailable) for answer in answers)
+    store.close()
+
+
+def test_a_store_answers_in_every_event_loop_it_is_used_in(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+
+    async def two(name: str) -> list[bool]:
+        return list(
+            await asyncio.gather(
+                store.remember("a", name, NOW, 300), store.remember("a", name, NOW, 300)
+            )
+        )
+
+    assert asyncio.run(two("n1")) == [True, False]
+    assert asyncio.run(two("n2")) == [True, False]  # a new loop, a new batch
+    assert asyncio.run(two("n1")) == [False, False]
+    store.close()
+
+
 def _die_mid_write(directory: str) -> None:
     store = HostReplayStore(Path(directory))
     txn = store._env.begin(write=True)  # holds the writer lock of every process

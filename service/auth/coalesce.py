@@ -11,6 +11,7 @@ a lower P99, since a Redis round trip on a local network is shorter than the wai
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -82,3 +83,55 @@ class Coalescer(Generic[ItemT, ResultT]):
                     future.cancel()
             self._inflight -= 1
             self._schedule(loop)
+
+
+class TickBatcher(Generic[ItemT, ResultT]):
+    """``await submit(item)`` -> the result ``run_batch`` gave for that item, where
+    ``run_batch`` is synchronous and cheap per item but costly per call (a write transaction
+    of a local store): the items submitted during one loop iteration go to one call, made at
+    the start of the next. No task and no wait beyond that iteration: a lone request is
+    answered one loop iteration later.
+
+    ``run_batch(items)`` returns one result per item, in order; if it raises, every caller in
+    the batch gets that exception.
+    """
+
+    __slots__ = ("_batch", "_loop", "_run_batch", "_thread", "batches")
+
+    def __init__(self, run_batch: Callable[[Sequence[ItemT]], Sequence[ResultT]]) -> None:
+        self._run_batch = run_batch
+        self._batch: list[tuple[ItemT, asyncio.Future[ResultT]]] | None = None  # the open one
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it is flushed in
+        self._thread = 0  # the thread that loop runs in
+        self.batches = 0  # calls of run_batch, for tests and curiosity
+
+    def submit(self, item: ItemT) -> asyncio.Future[ResultT]:
+        loop = self._loop
+        # Asking for the running loop costs a getpid() system call on CPython 3.11: the last
+        # loop is reused while it runs in this thread (a thread runs one loop at a time).
+        if loop is None or self._thread != threading.get_ident() or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+            self._thread = threading.get_ident()
+            self._batch = None  # one left in another loop is flushed there, if it runs again
+        future: asyncio.Future[ResultT] = loop.create_future()
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = []
+            loop.call_soon(self._flush, batch)
+        batch.append((item, future))
+        return future
+
+    def _flush(self, batch: list[tuple[ItemT, asyncio.Future[ResultT]]]) -> None:
+        if self._batch is batch:
+            self._batch = None
+        self.batches += 1
+        try:
+            results = self._run_batch([item for item, _ in batch])
+        except Exception as exc:  # every waiter gets the failure, whatever it is
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():  # a caller cancelled meanwhile (disconnect, shutdown)
+                future.set_result(result)

@@ -16,6 +16,13 @@ there is no expiry per entry and no index to keep.
 Bounded: the file never grows past ``max_bytes``; a full store refuses requests
 (:class:`~service.auth.replay.StoreUnavailable`, 503) rather than forget a nonce early.
 
+One write transaction per loop iteration: the nonces of the requests that reach the store
+in the same iteration are written together (:class:`~service.auth.coalesce.TickBatcher`).
+A commit writes its dirty pages with one system call each (~5 here: the slot's leaf, the
+main database's, the free list's, the meta page), whatever the number of nonces, and
+begins, reads the epoch and commits once; each nonce keeps its own answer (a replay within
+the batch is refused like any other, since the transaction sees its own writes).
+
 Epoch: the time the store was created. It is refused what was created before ``epoch +
 max_skew`` (:class:`~service.auth.replay.StoreRecovering`), so a new store (a new pod, a
 reboot, a deleted file) never accepts the replay of a request accepted before it. The file is
@@ -40,11 +47,13 @@ import stat
 import struct
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 import lmdb
 
+from service.auth.coalesce import TickBatcher
 from service.auth.replay import StoreRecovering, StoreUnavailable
 from service.auth.signature import DEFAULT_MAX_AGE, DEFAULT_MAX_SKEW
 
@@ -62,6 +71,9 @@ _FORMAT_KEY: Final = b"format"
 _EPOCH_KEY: Final = b"epoch"
 _SLOT_KEYS: Final = tuple(b"slot:%02d" % i for i in range(SLOTS))
 _BUCKET: Final = struct.Struct(">q")
+
+Nonce = tuple[str, str, int]  # keyid, nonce, created
+Verdict = bool | StoreUnavailable  # first time, replay, or this nonce's refusal
 
 
 class ReplayStoreError(ValueError):
@@ -91,6 +103,7 @@ class HostReplayStore:
         self.max_age = max_age
         self.max_skew = max_skew
         self._next_sweep = 0.0
+        self._batcher: TickBatcher[Nonce, Verdict] = TickBatcher(self._remember_batch)
         try:
             self._env = lmdb.open(
                 str(self.path),
@@ -140,33 +153,60 @@ class HostReplayStore:
             return _epoch(txn, self._meta)
 
     async def remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
-        return self.remember_now(keyid, nonce, created, time.time())
+        verdict = await self._batcher.submit((keyid, nonce, created))
+        if isinstance(verdict, StoreUnavailable):
+            raise verdict
+        return verdict
+
+    def _remember_batch(self, items: Sequence[Nonce]) -> list[Verdict]:
+        return self.remember_many_now(items, time.time())
 
     def remember_now(self, keyid: str, nonce: str, created: int, now: float) -> bool:
-        digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
-        bucket = created // BUCKET_SECONDS
-        index = bucket % SLOTS
+        """One nonce in a transaction of its own: True the first time, False for a replay;
+        raises :class:`StoreRecovering` or :class:`StoreUnavailable`."""
+        (verdict,) = self.remember_many_now([(keyid, nonce, created)], now)
+        if isinstance(verdict, StoreUnavailable):
+            raise verdict
+        return verdict
+
+    def remember_many_now(self, items: Sequence[Nonce], now: float) -> list[Verdict]:
+        """Every nonce in one write transaction, a verdict each (in order): True the first
+        time, False for a replay (of an earlier item too), or the refusal of that nonce
+        alone (:class:`StoreRecovering`, or :class:`StoreUnavailable` for one older than the
+        ring). Raises :class:`StoreUnavailable` when the store cannot write (full, broken):
+        then none of them is remembered."""
         try:
             if time.monotonic() >= self._next_sweep:
                 self._sweep(now)
+            verdicts: list[Verdict] = []
             with self._env.begin(write=True) as txn:
                 floor = _epoch(txn, self._meta) + self.max_skew
-                if created < floor:
-                    raise StoreRecovering(floor - created)
-                wanted = _BUCKET.pack(bucket)
-                held = txn.get(_SLOT_KEYS[index], db=self._meta)
-                if held != wanted:
-                    if held is not None and _BUCKET.unpack(held)[0] > bucket:
-                        # Older than the whole ring: the signature check lets none through.
-                        raise StoreUnavailable("request older than the replay store's window")
-                    # A minute SLOTS minutes old, long expired, makes room for this one.
-                    txn.drop(self._slots[index], delete=False)
-                    txn.put(_SLOT_KEYS[index], wanted, db=self._meta)
-                return bool(txn.put(digest, b"", db=self._slots[index], overwrite=False))
+                for keyid, nonce, created in items:
+                    verdicts.append(self._put(txn, keyid, nonce, created, floor))
+            return verdicts
         except lmdb.MapFullError:
             raise StoreUnavailable("replay store full") from None
         except lmdb.Error as exc:
             raise StoreUnavailable(type(exc).__name__) from exc
+
+    def _put(
+        self, txn: lmdb.Transaction[bytes], keyid: str, nonce: str, created: int, floor: int
+    ) -> Verdict:
+        if created < floor:
+            return StoreRecovering(floor - created)
+        digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
+        bucket = created // BUCKET_SECONDS
+        index = bucket % SLOTS
+        wanted = _BUCKET.pack(bucket)
+        held = txn.get(_SLOT_KEYS[index], db=self._meta)
+        if held != wanted:
+            if held is not None and _BUCKET.unpack(held)[0] > bucket:
+                # Older than the whole ring: the signature check lets none through.
+                return StoreUnavailable("request older than the replay store's window")
+            # A minute SLOTS minutes old, long expired, makes room for this one.
+            txn.drop(self._slots[index], delete=False)
+            txn.put(_SLOT_KEYS[index], wanted, db=self._meta)
+        return bool(txn.put(digest, b"", db=self._slots[index], overwrite=False))
 
     def _sweep(self, now: float) -> None:
         """Empty the slots whose minute no signature can still be valid for (a transaction
