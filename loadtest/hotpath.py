@@ -1,7 +1,8 @@
 """cryptd's own CPU per request, in-process: ``python -m loadtest.hotpath [SCENARIO ...]``.
 
 The application is built as ``cryptd serve`` builds it (development keyring, request signing,
-metrics on, the audit log to a file, the in-memory replay store unless ``--redis``) and driven
+metrics on, the audit log to a file, the host replay store (LMDB) as ``cryptd serve`` gives it
+to its workers; ``--redis`` for Redis, ``--memory-replay`` for one process's store) and driven
 directly over ASGI with requests signed beforehand, ``--concurrency`` in flight at a time (one
 task per request, as uvicorn runs them). What is timed is the application alone: no sockets,
 no HTTP parsing, no load generator. Two measures:
@@ -57,7 +58,10 @@ class HotPath:
 
 @contextlib.contextmanager
 def application(
-    redis_url: str | None = None, audit: bool = True, dev_dir: Path | None = None
+    redis_url: str | None = None,
+    audit: bool = True,
+    dev_dir: Path | None = None,
+    memory_replay: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
     """(app, credential) of a cryptd built in a private development directory (``dev_dir``
     when given: an existing one is reused, so no keys are generated)."""
@@ -79,6 +83,16 @@ def application(
                 os.environ["CRYPTD_REDIS_URL"] = redis_url
             else:
                 os.environ.pop("CRYPTD_REDIS_URL", None)
+            # The store cryptd serve gives its workers: its write per request is part of the
+            # cost (one LMDB transaction per loop iteration, system calls included).
+            os.environ.pop("CRYPTD_REPLAY_DIR", None)
+            if not redis_url and not memory_replay:
+                from service.auth.replay_host import HostReplayStore
+
+                replay_dir = Path(scratch) / "replay"
+                # Created with its clients, as cryptd serve --dev does: no start-up window.
+                HostReplayStore(replay_dir, epoch=0).close()
+                os.environ["CRYPTD_REPLAY_DIR"] = str(replay_dir)
             from service.app import create_app
             from service.config import Settings
 
@@ -237,12 +251,13 @@ def measure(
     warmup: int = 500,
     redis_url: str | None = None,
     audit: bool = True,
+    memory_replay: bool = False,
 ) -> list[HotPath]:
     """CPU per request of each scenario, one application for all of them."""
     import uvloop
 
     async def run() -> list[HotPath]:
-        with application(redis_url, audit) as (app, credential):
+        with application(redis_url, audit, memory_replay=memory_replay) as (app, credential):
             async with app.router.lifespan_context(app):
                 return [
                     await _measure(
@@ -320,7 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="rounds, median kept (5)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
     parser.add_argument("--warmup", type=int, default=500)
-    parser.add_argument("--redis", help="replay store URL (default: in memory)")
+    parser.add_argument("--redis", help="replay store URL (default: the host store, LMDB)")
+    parser.add_argument(
+        "--memory-replay", action="store_true", help="one process's replay store (in memory)"
+    )
     parser.add_argument("--no-audit", action="store_true", help="audit log off")
     parser.add_argument("--callgrind", action="store_true", help="instructions per request")
     parser.add_argument("--json", action="store_true")
@@ -356,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         redis_url=args.redis,
         audit=not args.no_audit,
+        memory_replay=args.memory_replay,
     )
     if args.json:
         print(orjson.dumps([asdict(r) for r in results]).decode())
