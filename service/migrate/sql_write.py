@@ -8,7 +8,9 @@ the fastest way to send a thousand updates differs (measured in loadtest/migrate
   count tells whether every row was updated, and only when not are the rows looked at);
 - ``postgresql``: one statement for the whole page, ``UPDATE ... FROM unnest(ids, olds,
   news) ... RETURNING``, three array parameters (one round trip, a constant statement whose
-  plan is an index nested loop whatever the group's size);
+  plan is an index nested loop whatever the group's size). The arrays go in binary format:
+  psycopg's text format quotes every element in Python (about 13 µs a row of the tool's CPU,
+  against 1.4 µs in binary);
 - ``pg-copy``: COPY into a session-local temporary table, then one ``UPDATE ... FROM`` it: about
   half the client CPU, but more server CPU once a group holds thousands of rows (the planner
   has no statistics for the temporary table), so no cheaper in total;
@@ -96,7 +98,7 @@ class PostgresUnnestWriter(_PostgresBase):
         t, ident, col = self.t, self.ident, self.col
         self._sql = (
             f"UPDATE {t} SET {col} = v.new"  # noqa: S608
-            f" FROM unnest(%s::{self.id_type}[], %s::{self.col_type}[], %s::{self.col_type}[])"
+            f" FROM unnest(%b::{self.id_type}[], %b::{self.col_type}[], %b::{self.col_type}[])"
             f" WITH ORDINALITY AS v(id, old, new, n)"
             f" WHERE {t}.{ident} = v.id AND {t}.{col} = v.old RETURNING v.n"
         )
