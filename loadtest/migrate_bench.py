@@ -462,6 +462,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _names(listed: str) -> list[str]:
+    """A comma-separated option; empty (``--pairs ''``) runs none, e.g. for ``--memory`` alone."""
+    return [name for name in listed.split(",") if name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.strftime("%Y%m%dT%H%M%S")
@@ -475,11 +480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             log(f"cryptd at {server.url}; machine load from others {others_load():.2f} cores")
             cases: list[Case] = []
-            for pair_name in args.pairs.split(","):
+            for pair_name in _names(args.pairs):
                 rows = args.aes_rows if pair_name == "aes" else args.rsa_rows
                 log(f"making {rows:,} {PAIRS[pair_name][0]} tokens")
                 tokens = make_tokens(client, PAIRS[pair_name][0], rows, args.concurrency)
-                for kind in args.databases.split(","):
+                for kind in _names(args.databases):
                     with database(kind, work) as db:
                         cases.append(
                             measure_case(server, client, db, pair_name, tokens, args, work)

@@ -30,7 +30,7 @@ from .model import (
     RunStopped,
 )
 from .source import Changes, Written
-from .sql_write import Change, writer_for
+from .sql_write import writer_for
 
 _SQLITE_ROWID = frozenset({"rowid", "_rowid_", "oid"})
 
@@ -266,15 +266,31 @@ class SqlSource:
     # -- writing ------------------------------------------------------------------------------
 
     def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
-        batch: list[Change] = []
+        # The group's rows as parallel lists (no object per row); ``places`` maps them back to
+        # (page number, row index) for the rows that turn out to have changed.
+        ids: list[Any] = []
+        olds: list[Any] = []
+        news: list[Any] = []
+        places: list[tuple[int, list[int]]] = []
         for number, (page, changes) in enumerate(group):
+            if not changes:
+                continue
             originals: list[Any] = page.extra
-            ids = page.ids
-            for index, token in changes:
-                old = originals[index]
-                new: Any = token if type(old) is str else token.encode("ascii")
-                batch.append(Change((number, index), ids[index], old, new))
-        if not batch:
+            page_ids = page.ids
+            indexes = [index for index, _ in changes]
+            tokens = [token for _, token in changes]
+            values = [originals[index] for index in indexes]
+            ids += [page_ids[index] for index in indexes]
+            olds += values
+            if all(type(value) is str for value in values):
+                news += tokens
+            else:  # a binary column (or a SQLite one holding both): new values as bytes too
+                news += [
+                    t if type(v) is str else t.encode("ascii")
+                    for t, v in zip(tokens, values, strict=True)
+                ]
+            places.append((number, indexes))
+        if not ids:
             written([], None)
             return
         conn = self._conn
@@ -283,13 +299,13 @@ class SqlSource:
             # that commit() below commits (it is a no-op without a transaction it began).
             if not conn.in_transaction():
                 conn.begin()
-            updated = self._writer.update(conn, batch)
-            conflicts = [c.at for c in batch if c.at not in updated]
-            landed = next((c for c in batch if c.at in updated), None)
+            updated = set(self._writer.update(conn, ids, olds, news))
+            conflicts = [] if len(updated) == len(ids) else _conflicts(places, updated)
+            first = min(updated, default=None)
             witness = (
                 None
-                if landed is None
-                else {"id": encode_id(landed.ident), "token": _token_text(landed.new)}
+                if first is None
+                else {"id": encode_id(ids[first]), "token": _token_text(news[first])}
             )
             written(conflicts, witness)
             conn.commit()
@@ -318,6 +334,18 @@ class SqlSource:
         _rollback(self._conn)
         self._conn.close()
         self._engine.dispose()
+
+
+def _conflicts(places: list[tuple[int, list[int]]], updated: set[int]) -> list[tuple[int, int]]:
+    """(page number, row index) of the rows not in ``updated`` (positions in the flat lists)."""
+    conflicts: list[tuple[int, int]] = []
+    k = 0
+    for number, indexes in places:
+        for index in indexes:
+            if k not in updated:
+                conflicts.append((number, index))
+            k += 1
+    return conflicts
 
 
 def _token_text(new: str | bytes) -> str:

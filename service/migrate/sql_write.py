@@ -1,8 +1,10 @@
-"""Writing one page of new tokens, compare-and-set, inside the caller's transaction.
+"""Writing a group of new tokens, compare-and-set, inside the caller's transaction.
 
-Each writer answers which rows it updated (``WHERE id = :id AND column = :old`` matched), so a
-row changed by someone else since it was read is never overwritten. Writers per dialect, since
-the fastest way to send a thousand updates differs (measured in loadtest/migrate_bench.py):
+A writer takes the rows as three parallel lists (ids, values as read, new values: no object per
+row, since thousands of rows pass per commit) and answers which rows it updated (``WHERE id =
+:id AND column = :old`` matched), so a row changed by someone else since it was read is never
+overwritten. Writers per dialect, since the fastest way to send a thousand updates differs
+(measured in loadtest/migrate_bench.py):
 
 - ``sqlite``: the driver's executemany of one prepared UPDATE (no network; its summed row
   count tells whether every row was updated, and only when not are the rows looked at);
@@ -20,8 +22,8 @@ the fastest way to send a thousand updates differs (measured in loadtest/migrate
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Collection
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -29,16 +31,13 @@ from sqlalchemy.engine import Connection
 from .model import MigrationRefused
 
 
-class Change(NamedTuple):
-    at: tuple[int, int]  # the row's place: (page in the group, row in the page)
-    ident: Any
-    old: Any  # the value as read (str or bytes)
-    new: str | bytes  # same type as ``old``
-
-
 class Writer(Protocol):
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
-        """Apply ``changes`` (no commit); return the places (``at``) of the rows updated."""
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
+        """Set row ``ids[k]`` to ``news[k]`` where it still holds ``olds[k]`` (the value as
+        read, str or bytes; ``news[k]`` is of the same type), no commit; return the ``k`` of the
+        rows updated."""
         ...
 
 
@@ -53,19 +52,21 @@ class SqliteWriter:
         self._sql = f"UPDATE {t} SET {col} = ? WHERE {ident} = ? AND {col} = ?"  # noqa: S608
         self._check = f"SELECT {col} FROM {t} WHERE {ident} = ?"  # noqa: S608
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
         cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
-            cursor.executemany(self._sql, [(c.new, c.ident, c.old) for c in changes])
-            if cursor.rowcount == len(changes):  # the sum over the statements
-                return {c.at for c in changes}
+            cursor.executemany(self._sql, zip(news, ids, olds, strict=True))
+            if cursor.rowcount == len(ids):  # the sum over the statements
+                return range(len(ids))
             # Some rows changed since they were read: the rows holding their new (random,
             # never repeated) token are the ones this transaction updated.
-            updated: set[tuple[int, int]] = set()
-            for change in changes:
-                found = cursor.execute(self._check, (change.ident,)).fetchone()
-                if found is not None and found[0] == change.new:
-                    updated.add(change.at)
+            updated: list[int] = []
+            for k, ident in enumerate(ids):
+                found = cursor.execute(self._check, (ident,)).fetchone()
+                if found is not None and found[0] == news[k]:
+                    updated.append(k)
             return updated
         finally:
             cursor.close()
@@ -103,16 +104,12 @@ class PostgresUnnestWriter(_PostgresBase):
             f" WHERE {t}.{ident} = v.id AND {t}.{col} = v.old RETURNING v.n"
         )
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
-        params = (
-            [c.ident for c in changes],
-            [c.old for c in changes],
-            [c.new for c in changes],
-        )
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
         with self._cursor(conn) as cursor:
-            cursor.execute(self._sql, params)
-            ordinals = [int(row[0]) for row in cursor.fetchall()]
-        return {changes[n - 1].at for n in ordinals}
+            cursor.execute(self._sql, (ids, olds, news))
+            return [int(row[0]) - 1 for row in cursor.fetchall()]  # ordinals count from 1
 
 
 class PostgresCopyWriter(_PostgresBase):
@@ -134,14 +131,15 @@ class PostgresCopyWriter(_PostgresBase):
             f" WHERE {t}.{ident} = p.id AND {t}.{col} = p.old RETURNING p.n"
         )
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
         with self._cursor(conn) as cursor:
             with cursor.copy(self._copy) as copy:
-                for n, change in enumerate(changes):
-                    copy.write_row((n, change.ident, change.old, change.new))
+                for row in zip(range(len(ids)), ids, olds, news, strict=True):
+                    copy.write_row(row)
             cursor.execute(self._sql)
-            ordinals = [int(row[0]) for row in cursor.fetchall()]
-        return {changes[n].at for n in ordinals}
+            return [int(row[0]) for row in cursor.fetchall()]
 
 
 class PostgresExecutemanyWriter(_PostgresBase):
@@ -150,15 +148,15 @@ class PostgresExecutemanyWriter(_PostgresBase):
         t, ident, col = self.t, self.ident, self.col
         self._sql = f"UPDATE {t} SET {col} = %s WHERE {ident} = %s AND {col} = %s RETURNING 1"  # noqa: S608
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
-        updated: set[tuple[int, int]] = set()
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
+        updated: list[int] = []
         with self._cursor(conn) as cursor:
-            cursor.executemany(
-                self._sql, [(c.new, c.ident, c.old) for c in changes], returning=True
-            )
-            for change in changes:
+            cursor.executemany(self._sql, list(zip(news, ids, olds, strict=True)), returning=True)
+            for k in range(len(ids)):
                 if cursor.fetchone() is not None:
-                    updated.add(change.at)
+                    updated.append(k)
                 cursor.nextset()
         return updated
 
@@ -173,12 +171,14 @@ class GenericWriter:
             .values({column: sa.bindparam("_new")})
         )
 
-    def update(self, conn: Connection, changes: list[Change]) -> set[tuple[int, int]]:
-        updated: set[tuple[int, int]] = set()
-        for change in changes:
-            params = {"_id": change.ident, "_old": change.old, "_new": change.new}
+    def update(
+        self, conn: Connection, ids: list[Any], olds: list[Any], news: list[Any]
+    ) -> Collection[int]:
+        updated: list[int] = []
+        for k, (ident, old, new) in enumerate(zip(ids, olds, news, strict=True)):
+            params = {"_id": ident, "_old": old, "_new": new}
             if conn.execute(self._statement, params).rowcount == 1:
-                updated.add(change.at)
+                updated.append(k)
         return updated
 
 
