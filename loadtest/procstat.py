@@ -1,10 +1,11 @@
 """CPU time of a process tree from /proc (Linux): what a server spent during a measurement,
-its worker processes and pool processes included."""
+its worker processes and pool processes included; and the peak resident memory of a child."""
 
 from __future__ import annotations
 
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,51 @@ def tree_cpu_seconds(root: int | Sequence[int]) -> float:
             # utime and stime are fields 14 and 15 of /proc/PID/stat (1-based): 11, 12 here.
             total += int(fields[11]) + int(fields[12])
     return total / _TICKS
+
+
+def _peak_rss_kib(pid: int) -> int | None:
+    """VmHWM of ``pid``: the peak resident set of the program it runs now (since its exec)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return None  # a zombie: no memory left to tell
+
+
+class PeakRss:
+    """The peak RSS of a child process, polled from /proc while it runs. wait4()'s
+    ru_maxrss cannot tell it: a child started by fork (or vfork) and exec keeps the larger of its
+    own peak and its parent's at the exec, so a parent holding a big table shows as the child."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self._pid = pid
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.kib = 0
+
+    def _poll(self) -> None:
+        while True:
+            peak = _peak_rss_kib(self._pid)
+            if peak is not None:
+                self.kib = max(self.kib, peak)
+            if self._stop.wait(self._interval):
+                return
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mib(self) -> float | None:
+        return self.kib / 1024 if self.kib else None
 
 
 def system_busy_seconds() -> float:
