@@ -19,6 +19,7 @@ per request here, most of a 200-500 us request, hence this direct implementation
 from __future__ import annotations
 
 import binascii
+import functools
 import hashlib
 import hmac
 import os
@@ -26,6 +27,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Final, Literal, NamedTuple
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hmac as keyed_hmac
 from http_sfv.dictionary import Dictionary
 from http_sfv.item import InnerList, Item
 
@@ -234,6 +237,14 @@ def _check_params(label: str, params: _Params, mac: bytes) -> SignatureInput:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _keyed(secret: bytes) -> keyed_hmac.HMAC:
+    """HMAC-SHA256 already keyed with ``secret``, to copy for each request: the key schedule
+    and OpenSSL's algorithm lookup are paid once per client, not per request (~2 us less a
+    verification). Bounded: a client file holds a few secrets, rotations add a few more."""
+    return keyed_hmac.HMAC(secret, hashes.SHA256())
+
+
 def _b64decode(text: str) -> bytes:
     # base64.b64decode(text, validate=True) without its Python wrapper: the same strict codec.
     try:
@@ -328,7 +339,9 @@ def verify_request(
     except UnicodeEncodeError:
         raise AuthError("malformed") from None
     secret = secret_for(parsed.keyid)
-    expected = hmac_sha256(_DUMMY_SECRET if secret is None else secret, base)
+    mac = _keyed(_DUMMY_SECRET if secret is None else secret).copy()
+    mac.update(base)
+    expected = mac.finalize()
     if not hmac.compare_digest(expected, parsed.signature) or secret is None:
         raise AuthError("unknown_client" if secret is None else "bad_signature")
     # The digest field is authentic now; the body must match it.
