@@ -3,7 +3,7 @@
 Sources (each JSON file under tests/vectors names its origin):
 - AES-256-GCM: McGrew-Viega GCM specification, test cases 13-16.
 - SM4: GB/T 32907-2016 example 1 (block) and RFC 8998 Appendix A.1 (SM4-GCM).
-- Ed25519: RFC 8032 section 7.1, TEST 1-3.
+- Ed25519: RFC 8032 section 7.1, TEST 1, 2, 3, 1024 and SHA(abc).
 - RSA-OAEP, RSA-PSS, RSA PKCS#1 v1.5, ECDSA P-256 (DER and IEEE P1363): Wycheproof subsets.
 
 Wycheproof semantics: every "valid" case must pass, every "invalid" case must fail, and a verify
@@ -170,6 +170,29 @@ def ed25519_pkcs8_pem(seed: bytes) -> bytes:
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
+    )
+
+
+def test_ed25519_vectors_are_the_rfcs() -> None:
+    names = [v["name"] for v in ED25519]
+    assert names == ["TEST 1", "TEST 2", "TEST 3", "TEST 1024", "TEST SHA(abc)"]
+    assert [len(h(v["msg"])) for v in ED25519] == [0, 1, 2, 1023, 64]
+    assert h(ED25519[4]["msg"]) == hashlib.sha512(b"abc").digest()
+
+
+@pytest.mark.parametrize("vector", ED25519, ids=[v["name"] for v in ED25519])
+def test_ed25519_rfc8032_from_the_seed(vector: dict[str, str]) -> None:
+    # The keyring's material is the raw seed: the handle the service signs with is this one.
+    handle = KEY_TYPES["ed25519"].load(h(vector["secretKey"]))
+    msg, sig = h(vector["msg"]), h(vector["sig"])
+    assert handle.sign(msg, prehashed=False, options=NO_OPTIONS) == sig
+    assert handle.verify(sig, msg, prehashed=False, options=NO_OPTIONS) is True
+    public = ed25519.Ed25519PublicKey.from_public_bytes(h(vector["publicKey"]))
+    public.verify(sig, msg)  # pyca/cryptography accepts it under the RFC's public key
+    pem = handle.public_key_pem()
+    assert pem is not None
+    assert pem.encode() == public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,17 +14,21 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from service.api.dispatch import CryptoDispatch
 from service.api.routes import crypto
 from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
+from service.crypto.ed25519 import SODIUM_MAX_MESSAGE
 from service.engine import EncryptItem, SignItem
-from service.keys.manager import KeyManager
+from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.masterkey import MasterKey
 from service.pool import make_executor
 from service.pool.lag import LoopLag
 from service.runner import CryptoRunner
+from service.worker import init_worker
 from tests.conftest import Server, start_server, stop_server
 from tests.test_token import new_manager
 
@@ -85,6 +90,41 @@ def test_mixed_placement_is_configurable_and_runs_batches_in_threads(
     monkeypatch.setenv("CRYPTD_EXECUTORS", '{"rsa-2048": "fiber"}')
     with pytest.raises(ValueError, match="executors"):
         Settings()
+
+
+async def test_ed25519_signs_alike_on_the_loop_in_threads_and_in_pool_processes(
+    tmp_path: Path,
+) -> None:
+    # Handles never cross a process boundary: a pool process loads the keyring and builds its
+    # own (libsodium's secret key included) from the seed. Both signing paths, every executor.
+    master = os.urandom(32)
+    path = tmp_path / "keyring.json"
+    create_keyring_file(path, MasterKey(master))
+    manager = KeyManager(path, MasterKey(master))
+    manager.load()
+    seed = os.urandom(32)
+    manager.create("ed", "ed25519", material=seed)
+    reference = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+    messages = [os.urandom(size) for size in (0, 32, SODIUM_MAX_MESSAGE, SODIUM_MAX_MESSAGE + 1)]
+    expected = [base64.b64encode(reference.sign(m)).decode() for m in messages]
+    items = [SignItem(m, False, SignOptions(), None) for m in messages] * 2
+    for kind in ("inline", "thread", "process"):
+        process = kind == "process"
+        pool = make_executor(
+            kind,
+            workers=1,
+            max_pending=8,
+            deadline=30.0,
+            initializer=init_worker if process else None,
+            initargs=(str(path), master) if process else (),
+        )
+        await pool.start()
+        try:
+            runner = CryptoRunner(manager, {"ed25519": pool}, chunk_size=3)
+            outcomes = await runner.run("sign", "ed", items)
+            assert [o["signature"] for o in outcomes if isinstance(o, dict)] == expected * 2, kind
+        finally:
+            await pool.close()
 
 
 def _scope(method: str, path: str, root_path: str = "") -> dict[str, Any]:
