@@ -80,6 +80,7 @@ def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[
                 else ()
             ),
             on_queue_wait=functools.partial(metrics.queue_wait, executor=kind),
+            slice_budget=settings.slice_budget,
         )
     return by_kind
 

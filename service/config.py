@@ -17,10 +17,12 @@ from service.auth.signature import DEFAULT_MAX_SKEW
 from service.cpus import available_cpus
 from service.keys.manager import MAX_DELETION_WAITING_PERIOD
 from service.pool.base import ExecutorKind
+from service.pool.sliced import DEFAULT_BUDGET
 
 # Where a key type's work runs: an executor kind, or "mixed": one item on the event loop,
-# a batch in the thread pool.
-Placement = Literal["inline", "thread", "process", "mixed"]
+# a batch in the thread pool. "sliced" runs every item on the event loop, at most
+# CRYPTD_SLICE_BUDGET seconds of them per loop iteration (service/pool/sliced.py).
+Placement = Literal["inline", "sliced", "thread", "process", "mixed"]
 
 # Measured defaults (docs/EXECUTORS.md): AEAD, ECDSA-P256, Ed25519 and HMAC cost microseconds,
 # less than a hand-off to a thread (13-28 us), so they run on the event loop. An RSA-2048, SM2
@@ -122,6 +124,9 @@ class Settings(BaseSettings):
     # to hand the GIL back (Python's default: 5 ms; docs/EXECUTORS.md, mixed traffic).
     gil_switch_interval: float = Field(default=0.0005, gt=0, le=0.1)
     executors: dict[str, Placement] = Field(default_factory=lambda: dict(DEFAULT_EXECUTORS))
+    # The sliced placement's seconds of costly work per event-loop iteration: the cheap
+    # requests that arrive meanwhile are served between slices (docs/EXECUTORS.md).
+    slice_budget: float = Field(default=DEFAULT_BUDGET, gt=0, le=1.0)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False

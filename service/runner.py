@@ -90,12 +90,21 @@ class CryptoRunner:
         self, keyring: Keyring, key: Key, op: OpName, name: str, items: Sequence[Item]
     ) -> list[Outcome]:
         executor = self._executors[key.type.name]
+        results: list[Outcome]
         if len(items) == 1 and (executor.kind == "inline" or key.type.name in self._single_inline):
             return engine.run_items(keyring, key, op, items, self._observer)
+        if executor.kind == "sliced":
+            # One item per call: the slice is measured in items, whatever the batch.
+            results = []
+            for item in items:
+                results += await executor.run(
+                    engine.run_items, keyring, key, op, [item], self._observer
+                )
+            return results
         size = self._chunk_size
         chunks = [items[i : i + size] for i in range(0, len(items), size)]
         if executor.kind == "inline":
-            results: list[Outcome] = []
+            results = []
             for index, chunk in enumerate(chunks):
                 if index:
                     await asyncio.sleep(0)

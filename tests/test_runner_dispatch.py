@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from service.api.dispatch import CryptoDispatch
 from service.api.routes import crypto
+from service.api.schemas import PARSERS
 from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
@@ -244,3 +245,45 @@ async def test_a_flooded_event_loop_sheds_crypto_requests_at_once(tmp_path: Path
             assert 'cryptd_rejections_total{cause="overload"}' in metrics
     finally:
         stop_server(server)
+
+
+async def test_sliced_runs_every_item_on_the_loop_one_call_each(tmp_path: Path) -> None:
+    threads: list[int] = []
+
+    def observe(op: str, key_type: str, seconds: float, outcome: str, items: int) -> None:
+        threads.append(threading.get_ident())
+
+    manager = _manager(tmp_path)
+    sliced = make_executor("sliced", workers=1, max_pending=8, deadline=10.0, slice_budget=0.001)
+    await sliced.start()
+    try:
+        runner = CryptoRunner(manager, {"rsa-2048": sliced}, chunk_size=64, observer=observe)
+        item = SignItem(b"message", False, SignOptions(algorithm="pss"), None)
+        outcomes = await runner.run("sign", "signing", [item] * 5)
+        signatures = [o["signature"] for o in outcomes if isinstance(o, dict)]
+        assert len(signatures) == 5
+        assert len(set(signatures)) == 5  # PSS is randomised: five real signatures
+        assert set(threads) == {threading.get_ident()}  # all on the event loop
+        assert sliced.stats().completed_total == 5  # a batch runs one item per call
+        message = base64.b64encode(b"message").decode()
+        parse = PARSERS["verify"]
+        verify = [
+            parse({"message": message, "signature": s, "algorithm": "pss"}) for s in signatures
+        ]
+        checked = await runner.run("verify", "signing", verify)
+        assert [o["valid"] for o in checked if isinstance(o, dict)] == [True] * 5
+    finally:
+        await sliced.close()
+
+
+def test_sliced_placement_and_its_budget_are_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRYPTD_ENV", "development")
+    monkeypatch.setenv("CRYPTD_EXECUTORS", '{"rsa-2048": "sliced"}')
+    monkeypatch.setenv("CRYPTD_SLICE_BUDGET", "0.003")
+    settings = Settings()
+    assert settings.executor_kind("rsa-2048") == "sliced"
+    assert settings.slice_budget == 0.003
+    assert "rsa-2048" not in settings.single_items_inline()
+    monkeypatch.setenv("CRYPTD_SLICE_BUDGET", "0")
+    with pytest.raises(ValueError, match="slice_budget"):
+        Settings()

@@ -1,8 +1,9 @@
 """Executors for work that must not stall the event loop, with backpressure and deadlines.
 
-Generic: nothing here knows about keys or HTTP. ``make_executor`` builds one of three kinds —
-``inline`` (on the loop), ``thread`` (a thread pool, for code that releases the GIL) or
-``process`` (worker processes that survive each other's death). See docs/EXECUTORS.md.
+Generic: nothing here knows about keys or HTTP. ``make_executor`` builds one of four kinds —
+``inline`` (on the loop), ``sliced`` (on the loop, a bounded slice of each iteration),
+``thread`` (a thread pool, for code that releases the GIL) or ``process`` (worker processes
+that survive each other's death). See docs/EXECUTORS.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from service.pool.base import (
 )
 from service.pool.inline import InlineExecutor
 from service.pool.process import ProcessExecutor
+from service.pool.sliced import DEFAULT_BUDGET, SlicedExecutor
 from service.pool.thread import ThreadExecutor
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "PoolStats",
     "ProcessExecutor",
     "QueueWaitObserver",
+    "SlicedExecutor",
     "ThreadExecutor",
     "WorkerStartError",
     "make_executor",
@@ -48,8 +51,10 @@ def make_executor(
     initializer: Callable[..., object] | None = None,
     initargs: tuple[Any, ...] = (),
     on_queue_wait: QueueWaitObserver | None = None,
+    slice_budget: float = DEFAULT_BUDGET,
 ) -> Executor:
-    """Build an executor; call ``await executor.start()`` before use, ``close()`` after."""
+    """Build an executor; call ``await executor.start()`` before use, ``close()`` after.
+    ``slice_budget``: the sliced kind's seconds of work per loop iteration."""
     common: dict[str, Any] = {
         "max_pending": max_pending,
         "deadline": deadline,
@@ -59,6 +64,8 @@ def make_executor(
     }
     if kind == "inline":
         return InlineExecutor(**common)  # one loop: no worker count
+    if kind == "sliced":
+        return SlicedExecutor(budget=slice_budget, **common)
     if kind == "thread":
         return ThreadExecutor(workers=workers, **common)
     if kind == "process":

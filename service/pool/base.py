@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, ParamSpec, Protocol, TypeVar
 
-ExecutorKind = Literal["inline", "thread", "process"]
-EXECUTOR_KINDS: tuple[ExecutorKind, ...] = ("inline", "thread", "process")
+ExecutorKind = Literal["inline", "sliced", "thread", "process"]
+EXECUTOR_KINDS: tuple[ExecutorKind, ...] = ("inline", "sliced", "thread", "process")
 
 P = ParamSpec("P")
 T = TypeVar("T")
