@@ -31,7 +31,7 @@ from service.pool.queued import Lifecycle, check_deadline, check_limits
 
 log = logging.getLogger("cryptd.pool")
 
-DEFAULT_BUDGET = 0.002  # seconds of sliced work per loop iteration (docs/EXECUTORS.md)
+DEFAULT_BUDGET = 0.004  # seconds of sliced work per loop iteration (docs/EXECUTORS.md)
 
 _Waiter = tuple[asyncio.Future[None], float]  # (future, loop time its deadline passes at)
 
