@@ -50,13 +50,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
 from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
     STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
@@ -243,7 +247,49 @@ class EdgeProtocol(HttpToolsProtocol):
         if (received > self._max_head or self._uncounted) and self._head_size() > self._max_head:
             self._refusal = self._too_large()
             raise _Refused
-        super().on_headers_complete()
+        # uvicorn's own, but the cycle is an _EdgeCycle.
+        parser = self.parser
+        http_version = parser.get_http_version()
+        scope = self.scope
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if parser.should_upgrade() and self._should_upgrade():
+            return
+        parsed_url = httptools.parse_url(self.url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = parsed_url.query or b""
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            app = service_unavailable
+            self.logger.warning("Exceeded concurrency limit.")
+        else:
+            app = self.app
+        existing_cycle = self.cycle
+        cycle = self.cycle = _EdgeCycle(
+            scope,
+            self.transport,
+            self.flow,
+            self.logger,
+            self.access_logger,
+            self.access_log,
+            self.server_state.default_headers,
+            asyncio.Event(),
+            self.expect_100_continue,
+            http_version != "1.0" and parser.should_keep_alive(),
+            self.on_response_complete,
+        )
+        if existing_cycle is None or existing_cycle.response_complete:
+            self._start_asgi_task(cycle, app)
+        else:
+            # Pipelined requests wait for the answer before them.
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app))
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -323,6 +369,129 @@ class EdgeProtocol(HttpToolsProtocol):
         # A stand-in head with the framing only; its head events are dropped.
         head = b"POST / HTTP/1.1\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in framing)
         return head + b"\r\n" + rest
+
+
+# Response header names the fast path has seen valid: lower-case, none of the characters
+# uvicorn refuses, and no framing meaning (content-length, transfer-encoding, connection).
+# Bounded, since apps choose the names; a name not in it is checked, or goes the slow way.
+_PLAIN_NAMES: set[bytes] = set()
+_PLAIN_NAMES_MAX = 256
+_SPECIAL_NAMES = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+_search_name = HEADER_RE.search
+_search_value = HEADER_VALUE_RE.search
+# The server's default header fields (Date, Server, the configured ones) as one block: the
+# list uvicorn replaces once a second, and its block (None: not plain, the slow way).
+_defaults: tuple[list[tuple[bytes, bytes]] | None, bytes | None] = (None, None)
+
+
+def _plain_name(name: bytes) -> bool:
+    """Whether ``name`` may be written as it is with no meaning to the framing (learnt)."""
+    if name in _PLAIN_NAMES:
+        return True
+    if _search_name(name) or name.lower() != name or name in _SPECIAL_NAMES:
+        return False
+    if len(_PLAIN_NAMES) < _PLAIN_NAMES_MAX:
+        _PLAIN_NAMES.add(name)
+    return True
+
+
+def _defaults_block(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    global _defaults
+    cached, block = _defaults
+    if headers is not cached:
+        block = _plain_block(headers)
+        _defaults = (headers, block)
+    return block
+
+
+def _plain_block(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    parts: list[bytes] = []
+    for name, value in headers:
+        if type(name) is not bytes or type(value) is not bytes:
+            return None
+        if not _plain_name(name) or _search_value(value):
+            return None
+        parts += (name, b": ", value, b"\r\n")
+    return b"".join(parts)
+
+
+class _EdgeCycle(RequestResponseCycle):
+    """uvicorn's response cycle with a fast ``send`` for the common answer: a complete
+    ``http.response.start`` whose header fields are ``bytes``, the names lower-case, with a
+    Content-Length or none of the framing fields, without the access log. Its head is the
+    bytes uvicorn writes, checked against the same characters uvicorn refuses; anything
+    else (and any header uvicorn would refuse, so that the refusal is uvicorn's own) takes
+    uvicorn's ``send``."""
+
+    async def send(self, message: Any) -> None:
+        if self.disconnected or self.flow.write_paused:
+            await super().send(message)
+            return
+        if not self.response_started:
+            if message["type"] == "http.response.start" and not self.access_log:
+                head = self._head(message)
+                if head is not None:
+                    self.response_started = True
+                    self.waiting_for_100_continue = False
+                    self.transport.write(head)
+                    return
+        elif (
+            not self.response_complete
+            and message["type"] == "http.response.body"
+            and not self.chunked_encoding
+            and self.scope["method"] != "HEAD"
+        ):
+            body = message.get("body", b"")
+            remaining = self.expected_content_length - len(body)
+            if remaining < 0:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length = remaining
+            self.transport.write(body)
+            if not message.get("more_body", False):
+                if remaining != 0:
+                    raise RuntimeError("Response content shorter than Content-Length")
+                self.response_complete = True
+                self.message_event.set()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
+            return
+        await super().send(message)
+
+    def _head(self, message: Any) -> bytes | None:
+        """The head uvicorn would write for ``message``, or None: uvicorn's ``send`` decides
+        (nothing is changed before that)."""
+        status = message.get("status")
+        status_line = STATUS_LINE.get(status) if type(status) is int else None
+        headers = message.get("headers", ())
+        defaults = _defaults_block(self.default_headers)
+        if status_line is None or defaults is None or type(headers) not in (list, tuple):
+            return None
+        parts = [status_line, defaults]
+        length = -1
+        try:
+            for name, value in headers:
+                if type(name) is not bytes or type(value) is not bytes:
+                    return None
+                if name == b"content-length" and length < 0:
+                    if not value.isdigit():
+                        return None
+                    length = int(value)
+                elif not _plain_name(name) or _search_value(value):
+                    return None
+                parts += (name, b": ", value, b"\r\n")
+        except (TypeError, ValueError):  # not pairs
+            return None
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        if length >= 0:
+            self.expected_content_length = length
+            self.chunked_encoding = False
+        elif self.scope["method"] != "HEAD" and status not in (204, 304):
+            self.chunked_encoding = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
 
 _JOIN_LIMIT = 64 * 1024  # a larger first body part goes out beside the head, not copied onto it
