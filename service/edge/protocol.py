@@ -458,6 +458,26 @@ class _EdgeCycle(RequestResponseCycle):
             return
         await super().send(message)
 
+    async def receive(self) -> Any:
+        # uvicorn's, without awaiting the event when it is set already (the body came with
+        # the head, as it mostly does).
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            flow = self.flow
+            if flow.read_paused:
+                flow.resume_reading()
+            event = self.message_event
+            if not event.is_set():
+                await event.wait()
+            event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        message = {"type": "http.request", "body": bytes(self.body), "more_body": self.more_body}
+        self.body = bytearray()
+        return message
+
     def _head(self, message: Any) -> bytes | None:
         """The head uvicorn would write for ``message``, or None: uvicorn's ``send`` decides
         (nothing is changed before that)."""
