@@ -141,6 +141,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self._extensions: dict[str, Any] | None = None
         self._upgrade_body: _UpgradeBody | None = None
         self._writer: _ResponseWriter | None = None  # made with the first request's cycle
+        # The last request target parsed, and its path, raw path and query string.
+        self._target_url: bytes | None = None
+        self._target: tuple[str, bytes, bytes] = ("", b"", b"")
 
     # --- connection ------------------------------------------------------------------------
 
@@ -256,14 +259,11 @@ class EdgeProtocol(HttpToolsProtocol):
             scope["http_version"] = http_version
         if parser.should_upgrade() and self._should_upgrade():
             return
-        parsed_url = httptools.parse_url(self.url)
-        raw_path = parsed_url.path
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        scope["path"] = self.root_path + path
-        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
-        scope["query_string"] = parsed_url.query or b""
+        url = self.url
+        if url != self._target_url:  # a connection's requests mostly go to one target
+            self._target_url = url
+            self._target = self._parse_target(url)
+        scope["path"], scope["raw_path"], scope["query_string"] = self._target
         limit = self.limit_concurrency
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             app = service_unavailable
@@ -290,6 +290,16 @@ class EdgeProtocol(HttpToolsProtocol):
             # Pipelined requests wait for the answer before them.
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, app))
+
+    def _parse_target(self, url: bytes) -> tuple[str, bytes, bytes]:
+        """The scope's path, raw path and query string for a request target, as uvicorn's."""
+        parsed_url = httptools.parse_url(url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        root_path = self.root_path
+        return root_path + path, root_path.encode("ascii") + raw_path, parsed_url.query or b""
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
