@@ -141,6 +141,21 @@ def test_slow_head_is_408_and_idle_keep_alive_is_closed(own_server: Callable[...
         assert 2.8 < time.monotonic() - started < 5
 
 
+def test_idle_keep_alive_counts_from_the_last_response(own_server: Callable[..., Server]) -> None:
+    # The connection's timer, armed before the first response, is kept across responses: the
+    # idle limit still runs from the end of the last one.
+    server = own_server(CRYPTD_HEADER_READ_TIMEOUT="1.5", CRYPTD_KEEPALIVE_TIMEOUT="3")
+    with connect(server.url) as sock:
+        reader = ResponseReader(sock)
+        for pause in (0.0, 1.0, 1.0):
+            time.sleep(pause)
+            sock.sendall(head_bytes("GET", "/healthz", {}))
+            assert reader.read().status == 200
+        started = time.monotonic()
+        assert reader.closed(timeout=10)
+        assert 2.8 < time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("complete", [1, 2])
 def test_pipelined_partial_head_is_bounded_by_the_header_timeout(
     own_server: Callable[..., Server], complete: int

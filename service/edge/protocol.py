@@ -44,6 +44,16 @@ any connection two sends. Here the response cycles write through the connection'
 :class:`_ResponseWriter`, which holds the head until the first body write (or the response's
 end, for a HEAD answer without a body) and sends both together; every other write (``100
 Continue``, later body parts) goes straight through.
+
+**The common answer costs fewer instructions**, with the same bytes on the wire: the cycle is
+an :class:`_EdgeCycle`, whose ``send`` writes the head of a complete ``http.response.start``
+with ``bytes`` header fields, lower-case names and a Content-Length (or no framing field at
+all) itself, checked against the characters uvicorn refuses, with the server's default
+fields (Date) joined once per change of the list uvicorn replaces every second; every other
+answer, and every field uvicorn would refuse, goes through uvicorn's ``send``. A
+connection's last request target is parsed once for the requests that repeat it, and the
+connection's timer is kept across responses when it is due within a step anyway (instead of
+being cancelled and armed again after each one, as uvicorn does).
 """
 
 from __future__ import annotations
@@ -168,9 +178,26 @@ class EdgeProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
+        # uvicorn's, but with the held head sent first, and the timer kept when it is due
+        # within a step anyway (uvicorn cancels it and arms a new one after every response):
+        # the idle deadline is set here, and the handler re-arms itself for what remains.
         if self._writer is not None:
             self._writer.flush()
-        super().on_response_complete()
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            self._unset_keepalive_if_required()
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        now = self.loop.time()
+        self._idle_deadline = now + self._keep_alive
+        timer = self.timeout_keep_alive_task
+        if timer is None or timer.when() > now + self._step:
+            self._unset_keepalive_if_required()
+            self._rearm(self._step)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -213,7 +240,7 @@ class EdgeProtocol(HttpToolsProtocol):
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 return  # a request is being answered; its response arms the timer again
-            if self._idle_deadline is None:  # armed by uvicorn when the last response ended
+            if self._idle_deadline is None:  # not set: idle since the timer was armed
                 self._idle_deadline = now - self._step + self._keep_alive
             if now >= self._idle_deadline - 0.001:
                 self.transport.close()  # idle
