@@ -262,7 +262,21 @@ class EdgeProtocol(HttpToolsProtocol):
     # --- parser callbacks ------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, inline.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {  # type: ignore[typeddict-item]
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
         self._phase = _HEAD
         self._uncounted = self._ended
         self._started = self.loop.time()
@@ -329,7 +343,13 @@ class EdgeProtocol(HttpToolsProtocol):
         return root_path + path, root_path.encode("ascii") + raw_path, parsed_url.query or b""
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        # uvicorn's, inline.
+        cycle = self.cycle
+        if not cycle.response_complete and not (
+            self.parser.should_upgrade() and self._should_upgrade()
+        ):
+            cycle.more_body = False
+            cycle.message_event.set()
         self._phase = _BETWEEN
         self._ended = True
 
