@@ -91,14 +91,17 @@ class InlineExecutor:
                 raise RuntimeError("executor not started")
             self._rejected_total += 1
             raise Overloaded("service is shutting down", retry_after=1.0)
-        if self._on_queue_wait is not None:
-            try:
-                self._on_queue_wait(0.0)
-            except Exception as exc:  # a metrics bug must not break the pool
-                log.warning("on_queue_wait observer raised %s", type(exc).__name__)
+        self._observe_wait(0.0)
         self._in_flight += 1
         try:
             return fn(*args, **kwargs)
         finally:
             self._in_flight -= 1
             self._completed_total += 1
+
+    def _observe_wait(self, seconds: float) -> None:
+        if self._on_queue_wait is not None:
+            try:
+                self._on_queue_wait(seconds)
+            except Exception as exc:  # a metrics bug must not break the pool
+                log.warning("on_queue_wait observer raised %s", type(exc).__name__)

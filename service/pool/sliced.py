@@ -26,8 +26,9 @@ from time import perf_counter
 from typing import Any
 
 from service.errors import Overloaded
-from service.pool.base import ExecutorKind, P, PoolStats, QueueWaitObserver, T, WorkerStartError
-from service.pool.queued import Lifecycle, check_deadline, check_limits
+from service.pool.base import ExecutorKind, P, PoolStats, QueueWaitObserver, T
+from service.pool.inline import InlineExecutor
+from service.pool.queued import Lifecycle, check_deadline
 
 log = logging.getLogger("cryptd.pool")
 
@@ -36,8 +37,8 @@ DEFAULT_BUDGET = 0.004  # seconds of sliced work per loop iteration (docs/EXECUT
 _Waiter = tuple[asyncio.Future[None], float]  # (future, loop time its deadline passes at)
 
 
-class SlicedExecutor:
-    """``initializer(*initargs)`` runs once, on the loop, in start()."""
+class SlicedExecutor(InlineExecutor):
+    """``initializer(*initargs)`` runs once, on the loop, in start() (the inline kind's)."""
 
     def __init__(
         self,
@@ -49,40 +50,27 @@ class SlicedExecutor:
         initargs: tuple[Any, ...] = (),
         on_queue_wait: QueueWaitObserver | None = None,
     ) -> None:
-        check_limits(1, max_pending, deadline)
+        super().__init__(
+            max_pending=max_pending,
+            deadline=deadline,
+            initializer=initializer,
+            initargs=initargs,
+            on_queue_wait=on_queue_wait,
+        )
         check_deadline(budget)
         self._budget = budget
-        self._max_pending = max_pending
         self._deadline = deadline
-        self._initializer = initializer
-        self._initargs = initargs
-        self._on_queue_wait = on_queue_wait
-        self._lifecycle = Lifecycle.NEW
         self._waiting: collections.deque[_Waiter] = collections.deque()
         self._spent = 0.0  # sliced seconds run in the current iteration
         self._mean = 0.0  # moving mean of one call's seconds, to size what one slice wakes
         self._granted = 0  # calls woken for this slice, not yet started
         self._reset_scheduled = False
         self._drained: asyncio.Event | None = None  # set by close(): told when nothing is left
-        self._in_flight = 0
-        self._completed_total = 0
-        self._rejected_total = 0
         self._expired_total = 0
 
     @property
     def kind(self) -> ExecutorKind:
         return "sliced"
-
-    async def start(self) -> None:
-        if self._lifecycle is not Lifecycle.NEW:
-            raise RuntimeError("executor already started")
-        if self._initializer is not None:
-            try:
-                self._initializer(*self._initargs)
-            except Exception as exc:
-                self._lifecycle = Lifecycle.CLOSED
-                raise WorkerStartError(f"pool initializer failed ({type(exc).__name__})") from None
-        self._lifecycle = Lifecycle.RUNNING
 
     async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         return await self._run(self._deadline, fn, *args, **kwargs)
@@ -92,9 +80,6 @@ class SlicedExecutor:
     ) -> T:
         check_deadline(deadline)
         return await self._run(deadline, fn, *args, **kwargs)
-
-    async def broadcast(self, fn: Callable[[], object]) -> None:
-        fn()
 
     def stats(self) -> PoolStats:
         return PoolStats(
@@ -219,10 +204,3 @@ class SlicedExecutor:
             room -= 1
         if waiting:
             self._schedule_reset()
-
-    def _observe_wait(self, seconds: float) -> None:
-        if self._on_queue_wait is not None:
-            try:
-                self._on_queue_wait(seconds)
-            except Exception as exc:  # a metrics bug must not break the pool
-                log.warning("on_queue_wait observer raised %s", type(exc).__name__)
