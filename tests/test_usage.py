@@ -347,20 +347,27 @@ def test_a_usage_store_that_cannot_be_written_refuses_nothing(tmp_path: Path) ->
     env = {**FAST, "CRYPTD_USAGE_FILE": str(blocked / "usage.sqlite")}
     server = start_server(tmp_path / "server", env, workers=2)
     try:
-        for _ in range(5):
-            answer = server.request("POST", "/v1/encrypt/aes256-gcm", {"plaintext": PLAINTEXT})
-            assert answer.status_code == 200
-        settle(lambda: not server.request("GET", "/readyz").json()["checks"]["usage"]["stored"])
-        ready = server.request("GET", "/readyz", sign=False)
-        assert ready.status_code == 200
-        assert ready.json()["status"] == "ready"
-        assert ready.json()["checks"]["usage"] == {"ok": True, "backend": "sqlite", "stored": False}
-        assert versions(server, "aes256-gcm")[1] is None  # unknown, not zero
+        # Each worker knows only its own flushes: every worker gets requests, and every
+        # worker's readiness is read (a worker with nothing to flush has failed nothing).
+        with _connections_to_every_worker(server, 2) as clients:
+            for n in range(6):
+                send(clients[n % 2], server, "encrypt", "aes256-gcm", {"plaintext": PLAINTEXT})
+            for client in clients.values():
+
+                def usage_check(c: httpx.Client = client) -> Any:
+                    return c.get("/readyz").json()["checks"]["usage"]
+
+                settle(lambda: not usage_check()["stored"])
+                ready = client.get("/readyz")
+                assert ready.status_code == 200
+                assert ready.json()["status"] == "ready"
+                assert usage_check() == {"ok": True, "backend": "sqlite", "stored": False}
+                assert worker_versions(client, server, "aes256-gcm")[1] is None  # not zero
         failed = metric(server, "cryptd_usage_flushes_total").get('{outcome="error"}', 0)
         assert failed >= 1
         # The counts still reach the metric, and the error is logged once per outage.
         wait_for(
-            lambda: sum(metric(server, "cryptd_key_operations_total").values()) == 5,
+            lambda: sum(metric(server, "cryptd_key_operations_total").values()) == 6,
             timeout=10,
             what="the metric",
         )

@@ -5,8 +5,10 @@ labelled keys shared by processes through its file."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,6 +95,27 @@ def test_counts_survive_an_outage_and_are_stored_once(tmp_path: Path, keyring: K
         (1, "decrypt", 1),
         (2, "encrypt", 4),
     ]
+
+
+def test_counts_a_last_flush_cannot_store_are_reported_lost(
+    tmp_path: Path, keyring: Keyring, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    recorder = UsageRecorder(SqliteUsageStore(blocked / "usage.sqlite"))
+    key = keyring["a"]
+
+    async def scenario() -> None:
+        for _ in range(3):
+            recorder.record(keyring, key, "encrypt", [None], [{"key_version": 2}])
+        await recorder.flush()  # fails: kept for the next flush
+        recorder.record(keyring, key, "sign", [None], [{"key_version": 2}])
+        await recorder.close()  # the last flush fails too: nothing will retry them
+
+    with caplog.at_level("ERROR", logger="cryptd.usage"):
+        asyncio.run(scenario())
+    (lost,) = [r for r in caplog.records if r.getMessage() == "usage counts lost at shutdown"]
+    assert lost.operations == 4  # type: ignore[attr-defined]
 
 
 def test_unflushed_counts_show_at_once_and_incarnations_stay_apart(
@@ -217,3 +240,36 @@ def test_a_read_during_a_flush_sees_every_count_once(tmp_path: Path, keyring: Ke
     asyncio.run(scenario())
     (row,) = stored(path)
     assert row.count == 5
+
+
+def _add_once(path: Path, start: Any, outcomes: Any) -> None:
+    store = SqliteUsageStore(path)
+    start.wait()
+    try:
+        store.add({("k", "2026-01-01T00:00:00Z", 1, "encrypt"): (1, 1.0)})
+        outcomes.put("stored")
+    except UsageUnavailable as exc:
+        outcomes.put(str(exc))
+    finally:
+        store.close()
+
+
+def test_workers_opening_a_new_file_at_once_all_store_their_counts(tmp_path: Path) -> None:
+    # The workers of a host flush for the first time together (at shutdown, with a long
+    # interval): switching the new file to WAL mode must not fail for the slower ones.
+    context = multiprocessing.get_context("fork")
+    workers, trials = 4, 50
+    for trial in range(trials):
+        path = tmp_path / f"usage-{trial}.sqlite"
+        start, outcomes = context.Barrier(workers), context.Queue()
+        processes = [
+            context.Process(target=_add_once, args=(path, start, outcomes)) for _ in range(workers)
+        ]
+        for process in processes:
+            process.start()
+        results = [outcomes.get(timeout=30) for _ in processes]
+        for process in processes:
+            process.join()
+        assert results == ["stored"] * workers, f"trial {trial}: {results}"
+        (row,) = stored(path)
+        assert row.count == workers

@@ -193,6 +193,10 @@ class UsageRecorder:
         """The last flush (at shutdown), then the store's connection."""
         try:
             await self.flush()
+            with self._state:
+                lost = sum(n for batch in self._pending.values() for n, _ in batch.values())
+            if lost:  # no later flush will retry them
+                log.error("usage counts lost at shutdown", extra={"operations": lost})
         finally:
             if self.store is not None:
                 await asyncio.to_thread(self.store.close)
