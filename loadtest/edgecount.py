@@ -11,12 +11,18 @@ requests after the same warm-up, and the difference of the two totals over the d
 in requests is what one request costs the server process (event loop, parser, protocol,
 response cycle, and the app's few lines).
 
+``--tls`` serves HTTPS with cryptd's own TLS setup (``TLSFactory`` on a development certificate,
+as ``cryptd serve --dev --tls`` runs): the connections' handshakes are the same in both runs,
+so the difference is what TLS adds to each request once a connection is open (records opened
+and sealed, the TLS layer's reads and writes); compare it with the figure without ``--tls``.
+
 uvicorn's once-a-tenth-of-a-second tick is not run (it would add instructions in
 proportion to the wall time valgrind takes): the server's default headers (Date) are set
 once, by one tick's worth of work, before the requests start.
 
     python -m loadtest.edgecount
     python -m loadtest.edgecount --low 300 --high 1300 --repeats 3
+    python -m loadtest.edgecount --tls
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -56,9 +63,17 @@ def _announce(port_file: Path, port: int) -> None:
     port_file.write_text(str(port))
 
 
-async def _serve(port_file: Path, requests: int) -> None:
+def _dev_tls(directory: Path) -> Any:
+    """The development CA and server certificate in ``directory`` (made once)."""
+    from service.edge.devcerts import ensure_dev_tls
+
+    return ensure_dev_tls(directory)
+
+
+async def _serve(port_file: Path, requests: int, tls_dir: Path | None) -> None:
     from service.edge.protocol import EdgeLimits
     from service.edge.server import EdgeConfig, EdgeServer, bind
+    from service.edge.tls import TLSFactory, TLSFiles
 
     done = asyncio.Event()
     answered = 0
@@ -96,6 +111,9 @@ async def _serve(port_file: Path, requests: int) -> None:
         server_header=False,
         proxy_headers=False,
     )
+    if tls_dir is not None:
+        dev = _dev_tls(tls_dir)
+        config.ssl_context_factory = TLSFactory(TLSFiles(dev.cert_file, dev.key_file))
     config.load()
     server = EdgeServer(config)
     server.lifespan = config.lifespan_class(config)
@@ -108,13 +126,15 @@ async def _serve(port_file: Path, requests: int) -> None:
     await server.shutdown(sockets=[sock])
 
 
-async def _drive(port: int, requests: int, concurrency: int) -> None:
+async def _drive(
+    port: int, requests: int, concurrency: int, tls: ssl.SSLContext | None = None
+) -> None:
     request = request_bytes()
     remaining = requests
 
     async def connection() -> None:
         nonlocal remaining
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
         try:
             while remaining > 0:
                 remaining -= 1
@@ -132,8 +152,9 @@ async def _drive(port: int, requests: int, concurrency: int) -> None:
     await asyncio.gather(*(connection() for _ in range(concurrency)))
 
 
-def run_once(requests: int, concurrency: int, scratch: Path) -> int:
-    """Total instructions of a server process that answers ``requests`` requests."""
+def run_once(requests: int, concurrency: int, scratch: Path, tls: bool = False) -> int:
+    """Total instructions of a server process that answers ``requests`` requests (over TLS
+    with a development certificate in ``scratch`` when ``tls``)."""
     out = scratch / f"callgrind.{requests}"
     port_file = scratch / "port"
     port_file.unlink(missing_ok=True)
@@ -147,6 +168,10 @@ def run_once(requests: int, concurrency: int, scratch: Path) -> int:
         "--serve",
         f"{port_file}:{requests}",
     ]
+    client = None
+    if tls:
+        command += ["--serve-tls", str(scratch / "dev")]
+        client = ssl.create_default_context(cafile=_dev_tls(scratch / "dev").ca_file)
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -154,7 +179,7 @@ def run_once(requests: int, concurrency: int, scratch: Path) -> int:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server under callgrind did not start")
             time.sleep(0.1)
-        asyncio.run(_drive(int(port_file.read_text()), requests, concurrency))
+        asyncio.run(_drive(int(port_file.read_text()), requests, concurrency, client))
         _, stderr = server.communicate(timeout=300)
     finally:
         if server.poll() is None:
@@ -169,12 +194,12 @@ def run_once(requests: int, concurrency: int, scratch: Path) -> int:
 
 
 def instructions(
-    *, low: int = 200, high: int = 1200, concurrency: int = 16, warmup: int = 300
+    *, low: int = 200, high: int = 1200, concurrency: int = 16, warmup: int = 300, tls: bool = False
 ) -> float:
     """Instructions per request of the server process, from runs of ``warmup + low`` and
-    ``warmup + high`` requests."""
+    ``warmup + high`` requests (over TLS when ``tls``)."""
     with tempfile.TemporaryDirectory(prefix="cryptd-edgecount-") as scratch:
-        counts = [run_once(warmup + n, concurrency, Path(scratch)) for n in (low, high)]
+        counts = [run_once(warmup + n, concurrency, Path(scratch), tls) for n in (low, high)]
     return (counts[1] - counts[0]) / (high - low)
 
 
@@ -187,17 +212,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="measurements, each printed")
+    parser.add_argument("--tls", action="store_true", help="serve HTTPS (cryptd's TLS setup)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-tls", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         import uvloop
 
         port_file, requests = args.serve.rsplit(":", 1)
-        uvloop.run(_serve(Path(port_file), int(requests)))
+        uvloop.run(_serve(Path(port_file), int(requests), args.serve_tls))
         return 0
     for _ in range(args.repeats):
         count = instructions(
-            low=args.low, high=args.high, concurrency=args.concurrency, warmup=args.warmup
+            low=args.low,
+            high=args.high,
+            concurrency=args.concurrency,
+            warmup=args.warmup,
+            tls=args.tls,
         )
         print(f"{count:,.0f} instructions per request")
     return 0
