@@ -5,6 +5,7 @@ and production's refusal of plain HTTP."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
 import ssl
@@ -518,6 +519,48 @@ def test_a_tls_file_that_does_not_load_is_named_with_its_setting(
     assert reason in str(refused.value)
     assert b"PRIVATE KEY" not in str(refused.value).encode()
     server_context(TLSFiles(files["cert"], files["key"], files["ca"]))  # the good ones load
+
+
+def _pump(source: ssl.MemoryBIO, target: ssl.MemoryBIO) -> None:
+    target.write(source.read())
+
+
+@pytest.mark.parametrize(
+    "version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3], ids=["TLSv1.2", "TLSv1.3"]
+)
+def test_server_connections_read_and_write_through_the_c_object(
+    tmp_path: Path, version: ssl.TLSVersion
+) -> None:
+    """The server context's connection objects call the C object directly; a handshake and
+    records both ways over memory BIOs (the event loop's way) behave as ssl's own objects."""
+    files = _tls_files(tmp_path)
+    context = server_context(TLSFiles(files["cert"], files["key"]))
+    server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
+    server = context.wrap_bio(server_in, server_out, server_side=True)
+    inner = server._sslobj  # type: ignore[attr-defined]
+    assert (server.read.__self__, server.write.__self__, server.pending.__self__) == (inner,) * 3
+    client = client_context(files["ca"], minimum=version, maximum=version).wrap_bio(
+        client_in, client_out, server_hostname="localhost"
+    )
+    for _ in range(10):
+        for side in (client, server):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                side.do_handshake()
+        _pump(client_out, server_in)
+        _pump(server_out, client_in)
+    assert server.version() == client.version() == version.name.replace("_", ".")
+    with pytest.raises(ssl.SSLWantReadError):
+        server.read(1024)
+    client.write(b"request " * 100)
+    _pump(client_out, server_in)
+    assert server.read(10) == b"request re"
+    assert server.pending() == 790
+    buffer = bytearray(1000)
+    assert server.read(1000, buffer) == 790
+    assert bytes(buffer[:790]) == (b"request " * 100)[10:]
+    assert server.write(b"answer") == 6
+    _pump(server_out, client_in)
+    assert client.read(100) == b"answer"
 
 
 def test_a_refused_configuration_never_prints_the_settings(tmp_path: Path) -> None:

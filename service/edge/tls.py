@@ -14,6 +14,11 @@ name), moves each new handshake onto the newest context, and established connect
 theirs. A version that does not load (a half-written rotation, a key that does not match the
 certificate) leaves the previous context in use and is logged once; the next change is tried
 again. The client CA file is part of the context, so a rotated client CA is picked up too.
+
+Per record, the event loop calls the connection's ``SSLObject`` (``read``, ``write``,
+``pending``), whose methods in Python's ``ssl`` module are one-line wrappers around the C object
+that does the work: a Python frame per call, three per request. A server context hands out
+objects whose three methods are the C object's own, bound once per connection.
 """
 
 from __future__ import annotations
@@ -76,11 +81,31 @@ class TLSFileError(ValueError):
     content), so that the command can say which file to fix."""
 
 
+class _ServerContext(ssl.SSLContext):
+    """``ssl.SSLContext`` whose connection objects call the C object directly (see the
+    module's docstring): ``read(n)``, ``read(n, buffer)``, ``write(data)`` and ``pending()``,
+    the positional calls the event loops make, return and raise what the wrappers do."""
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        wrapped = super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+        inner = getattr(wrapped, "_sslobj", None)  # the wrappers' target, since Python 3.7
+        if inner is not None:
+            vars(wrapped).update(read=inner.read, write=inner.write, pending=inner.pending)
+        return wrapped
+
+
 def server_context(files: TLSFiles) -> ssl.SSLContext:
     """A server context with cryptd's policy and ``files`` loaded. Raises
     :class:`TLSFileError` if they do not load (missing, unreadable, not PEM, a key that does
     not match the certificate)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context = _ServerContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_ciphers(TLS12_CIPHERS)
     context.options |= (
