@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from service import b64 as b64codec
 from service.crypto.base import (
+    NO_OPTIONS,
     InvalidCiphertext,
     InvalidOptions,
     KeyHandle,
@@ -28,7 +29,6 @@ from service.keys.keyring import Key, Keyring, KeyVersion
 
 log = logging.getLogger("cryptd.engine")
 
-NO_OPTIONS = SignOptions()
 OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac"]
 Result = dict[str, Any]
 # observer(operation, key_type, seconds, outcome, items)

@@ -11,7 +11,7 @@ import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from service import b64
-from service.crypto.base import SignOptions
+from service.crypto.base import NO_OPTIONS, SignOptions
 from service.crypto.digests import HASHES
 from service.crypto.registry import KEY_TYPES
 from service.engine import (
@@ -292,6 +292,13 @@ def _message_or_digest(body: SignRequest) -> tuple[bytes, bool]:
 
 
 def _sign_options(body: SignRequest) -> SignOptions:
+    if (
+        body.algorithm is None
+        and body.encoding is None
+        and body.signer_id is None
+        and body.hash_algorithm is None
+    ):
+        return NO_OPTIONS  # the usual request: the shared empty options, nothing built
     signer_id = None
     if body.signer_id is not None:
         signer_id = body.signer_id.encode("utf-8")

@@ -50,9 +50,15 @@ class SignOptions:
 
     def refuse(self, *names: str) -> None:
         """Raise InvalidOptions if any of ``names`` was sent."""
+        if self is NO_OPTIONS:  # nothing was sent (the usual request): nothing to look at
+            return
         for name in names:
             if getattr(self, name) is not None:
                 raise InvalidOptions(f"'{name}' does not apply to this key type")
+
+
+# No option sent: requests without options share this one (built once, checked at a glance).
+NO_OPTIONS = SignOptions()
 
 
 class KeyHandle(ABC):

@@ -58,7 +58,11 @@ async def handle(services: Services, scope: Scope, body: bytes, op: OpName, key:
     except CryptdError as exc:
         _audit(services, scope, op, key, exc.code, None, 1)
         raise
-    entries = result.get("batch", [result])
+    entries = result.get("batch")
+    if entries is None:  # one item, and it succeeded: a failing one raised above
+        versions = [result["key_version"]] if "key_version" in result else []
+        _audit(services, scope, op, key, "ok", versions, 1)
+        return orjson.dumps(result)
     failures = sum("error" in entry for entry in entries)
     outcome = "ok" if failures == 0 else ("error" if failures == len(entries) else "partial")
     versions = [e["key_version"] for e in entries if "key_version" in e]
