@@ -20,10 +20,21 @@ import pytest
 from fastapi import FastAPI
 
 from service.asgi import ASGIApp, Receive, Scope, Send
-from service.logs import LineWriter, LogSetup, configure_logging
+from service.logs import LineWriter, LogSetup, _timestamp, configure_logging
 from service.metrics import Metrics
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")
+
+
+@pytest.mark.parametrize(
+    "now", [0.0, 0.0004, 1.999, 1764626400.0, 1764626400.0009, 1764626400.5, 1764626400.9999]
+)
+def test_timestamp_is_utc_to_the_millisecond_truncated(now: float) -> None:
+    second = int(now)
+    expected = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    expected += f".{int((now - second) * 1000):03d}Z"
+    assert _timestamp(now) == expected
+    assert TIMESTAMP.match(_timestamp(now))
 
 
 @pytest.fixture(autouse=True)
