@@ -30,10 +30,12 @@ Placement = Literal["inline", "sliced", "thread", "process", "mixed"]
 # fastest for that traffic alone, but every cheap request behind it waits (mixed traffic: AES
 # at ~5x its P99 alone). RSA-2048 is "sliced": on the loop, at most CRYPTD_SLICE_BUDGET of it
 # per loop iteration, measured best on the mix of AES and RSA-2048 (the RSA stream 0.94x ->
-# 1.36x OpenBao's, the AES stream's P99 46.9 -> 20.2 ms) and for RSA alone. SM2 and P-384
-# go to the thread pool, whose results come back within CRYPTD_GIL_SWITCH_INTERVAL (0.5 ms)
-# instead of Python's 5 ms. RSA-3072/4096 and P-521 items (1-2.5 ms, as long as a slice) run
-# in the thread pool too.
+# 1.36x OpenBao's, the AES stream's P99 46.9 -> 20.2 ms) and for RSA alone. SM2 (~0.3 ms an
+# item, RSA-2048's range) is "sliced" too: server CPU per signature 434 against 583 us in the
+# thread pool, and beside AES 2,011 against 1,066 signatures/s (the AES stream's P99 3.7 ->
+# 5.6 ms, the RSA trade). P-384 goes to the thread pool, whose results come back within
+# CRYPTD_GIL_SWITCH_INTERVAL (0.5 ms) instead of Python's 5 ms. RSA-3072/4096 and P-521 items
+# (1-2.5 ms, as long as a slice) run in the thread pool too.
 DEFAULT_EXECUTORS: dict[str, Placement] = {
     "aes256-gcm": "inline",
     "sm4-gcm": "inline",
@@ -42,7 +44,7 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
     "rsa-4096": "thread",
     "ecdsa-p256": "inline",
     "ed25519": "inline",
-    "sm2": "thread",
+    "sm2": "sliced",
     "hmac-sha256": "inline",
     "hmac-sha512": "inline",
     "hmac-sm3": "inline",
