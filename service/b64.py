@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import pybase64
 
+_URL_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+# By length mod 4, what the last character of unpadded base64url may be: after 4n + 2 (4n + 3)
+# characters its low 4 (2) bits are unused, and the one spelling, encode_url's, has them zero;
+# no text of 4n + 1 characters decodes.
+_CANONICAL_LAST = (_URL_ALPHABET, "", _URL_ALPHABET[::16], _URL_ALPHABET[::4])
+_PADDING = ("", "===", "==", "=")
+
 
 def encode(data: bytes) -> str:
     """Standard alphabet, padded."""
@@ -32,3 +39,13 @@ def decode_url(text: str) -> bytes:
     if "+" in text or "/" in text:
         raise ValueError("not URL-safe base64")
     return pybase64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+
+
+def decode_url_canonical(text: str) -> bytes:
+    """URL-safe alphabet, no padding, and only the spelling :func:`encode_url` writes (unused
+    trailing bits zero). Raises ValueError for anything else. Checks the last character
+    instead of encoding the result again to compare."""
+    rest = len(text) % 4
+    if "=" in text or "+" in text or "/" in text or text[-1:] not in _CANONICAL_LAST[rest]:
+        raise ValueError("not canonical unpadded base64url")
+    return pybase64.b64decode(text + _PADDING[rest], altchars=b"-_", validate=True)

@@ -93,3 +93,37 @@ def test_padding_past_a_whole_quantum_is_refused() -> None:
 def test_url_decode_refuses_other_alphabets(text: str) -> None:
     with pytest.raises(ValueError):  # noqa: PT011
         b64.decode_url(text)
+
+
+def _canonical_reference(text: str) -> bytes | None:
+    """The standard library's reading, kept only when encoding it again gives ``text``."""
+    if not text.isascii() or not text.replace("-", "").replace("_", "").isalnum():
+        return None
+    try:
+        data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except binascii.Error:
+        return None
+    return data if base64.urlsafe_b64encode(data).rstrip(b"=").decode() == text else None
+
+
+def test_canonical_url_decode_agrees_with_decoding_and_encoding_again() -> None:
+    rng = random.Random(20261201)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/= \n.é"
+    for size in [*range(0, 40), 1054]:
+        url = base64.urlsafe_b64encode(rng.randbytes(size)).rstrip(b"=").decode()
+        assert b64.decode_url_canonical(url) == base64.urlsafe_b64decode(url + "==")
+        for _ in range(30):  # the last character changed (its unused bits), or any other
+            position = rng.choice([len(url) - 1, rng.randrange(len(url) + 1)])
+            damaged = url[:position] + rng.choice(alphabet) + url[position + 1 :]
+            expected = _canonical_reference(damaged)
+            if expected is None:
+                with pytest.raises(ValueError):  # noqa: PT011
+                    b64.decode_url_canonical(damaged)
+            else:
+                assert b64.decode_url_canonical(damaged) == expected, repr(damaged)
+
+
+@pytest.mark.parametrize("text", ["AQ==", "AQ=", "AR", "AQF", "AQEBA", "+/8", "Zm9v=", "é", "A Q"])
+def test_canonical_url_decode_refuses(text: str) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011
+        b64.decode_url_canonical(text)

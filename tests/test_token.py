@@ -9,10 +9,12 @@ also require the document to show exactly those values, so the two cannot drift 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import json
 import os
+import random
 import re
 import struct
 from pathlib import Path
@@ -172,6 +174,60 @@ def test_decode_refuses_damaged_binary_as_decryption_failure(data: bytes) -> Non
 def test_decode_refuses_impossible_base64_length() -> None:
     with pytest.raises(DecryptionFailed):
         token.decode("cryptd:v1:AQEBA")  # 5 characters: no base64 has that length
+
+
+def _reference_split(text: str) -> tuple[int, bytes | None] | None:
+    """The token's text as the document describes it: the pattern, then base64url that must
+    decode and encode back to itself."""
+    match = re.fullmatch(r"cryptd:v([1-9][0-9]{0,9}):([A-Za-z0-9_-]+)", text)
+    if match is None:
+        return None
+    encoded = match.group(2)
+    try:
+        data = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    except binascii.Error:
+        return int(match.group(1)), None
+    if base64.urlsafe_b64encode(data).rstrip(b"=").decode() != encoded:
+        return int(match.group(1)), None
+    return int(match.group(1)), data
+
+
+def _outcome(function: Any, text: str) -> object:
+    try:
+        return function(text)
+    except (InvalidRequest, DecryptionFailed) as exc:
+        return type(exc)
+
+
+def test_decode_and_decode_mac_agree_with_the_documented_reading() -> None:
+    rng = random.Random(20261201)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/=: \n.é"
+    seen: set[object] = set()
+    for size in [0, 1, 2, 3, 4, 30, 1054]:
+        body = bytes([1, 1]) + rng.randbytes(size)
+        good = token.encode(rng.choice([1, 7, 4294967295]), 1, body)
+        for _ in range(300):
+            position = rng.choice([len(good) - 1, rng.randrange(len(good) + 1)])
+            text = rng.choice(
+                [
+                    good[:position] + rng.choice(alphabet) + good[position + 1 :],
+                    good[:position] + rng.choice(alphabet) + good[position:],
+                    good[:position] + good[position + 1 :],
+                    good[:position],
+                ]
+            )
+            split = _reference_split(text)
+            if split is None:
+                expected: object = InvalidRequest
+            elif split[1] is None or len(split[1]) < 2 or split[1][0] != 1:
+                expected = DecryptionFailed
+            else:
+                expected = (split[0], split[1][1], split[1][2:])
+            assert _outcome(token.decode, text) == expected, repr(text)
+            mac = InvalidRequest if split is None else split
+            assert _outcome(token.decode_mac, text) == mac, repr(text)
+            seen.add(expected if isinstance(expected, type) else tuple)
+    assert seen == {InvalidRequest, DecryptionFailed, tuple}  # every outcome was exercised
 
 
 def test_associated_data_construction() -> None:
