@@ -58,8 +58,9 @@ _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None
 }
 
 
-# ".000Z" to ".999Z": an index costs half of formatting the milliseconds for every line.
-_MILLISECONDS = tuple(f".{ms:03d}Z" for ms in range(1000))
+# ".000Z" to ".999Z", and ".1000Z" ((now - second) * 1000 can round up to 1000 in the epoch's
+# first second): an index costs half of formatting the milliseconds for every line.
+_MILLISECONDS = tuple(f".{ms:03d}Z" for ms in range(1001))
 
 
 def _timestamp(now: float, _cache: list[Any] = [-1, ""]) -> str:  # noqa: B006 - per-second cache
@@ -322,6 +323,9 @@ def _format_access(fields: tuple[Any, ...]) -> bytes:
     return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
 
 
+_SCALAR_VERSION = (int, type(None))  # a tuple: `int | None` would build a union per call
+
+
 class Audit:
     """Who did what with which key and version, when, and how it ended.
 
@@ -356,7 +360,7 @@ class Audit:
         writer = self._writer
         if writer is None:
             return
-        if not isinstance(key_version, int | None):
+        if not isinstance(key_version, _SCALAR_VERSION):
             key_version = tuple(sorted(set(key_version)))
         fields = (time.time(), event, outcome, client, key, key_version, items, request_id)
         writer.write((_format_audit, (*fields, target_key, detail)), wait=True)
@@ -372,8 +376,35 @@ class Audit:
 
 def _format_audit(fields: tuple[Any, ...]) -> bytes:
     when, event, outcome, client, key, key_version, items, request_id, target_key, detail = fields
-    line = {
-        "ts": _timestamp(when),
+    if target_key is None and not detail:
+        # The request's lines: all but the time and the request id repeat from line to line.
+        repeated = (event, outcome, client, key, key_version, items)
+        middle = _audit_middles.get(repeated)
+        if middle is None:
+            middle = _audit_middle(repeated)
+        return b"".join(
+            (b'{"ts":"', _timestamp(when).encode(), middle, orjson.dumps(request_id), b"}\n")
+        )
+    line = _audit_line(when, event, outcome, client, key, key_version, items, request_id)
+    if target_key is not None:
+        line["target_key"] = target_key
+    if detail:
+        line.update({name: value for name, value in detail.items() if name not in line})
+    return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _audit_line(
+    when: float | None,
+    event: str,
+    outcome: str,
+    client: str | None,
+    key: str,
+    key_version: int | tuple[int, ...] | None,
+    items: int,
+    request_id: str | None,
+) -> dict[str, Any]:
+    return {
+        "ts": None if when is None else _timestamp(when),
         "level": "info",
         "logger": "cryptd.audit",
         "msg": "audit",
@@ -385,11 +416,23 @@ def _format_audit(fields: tuple[Any, ...]) -> bytes:
         "items": items,
         "request_id": request_id,
     }
-    if target_key is not None:
-        line["target_key"] = target_key
-    if detail:
-        line.update({name: value for name, value in detail.items() if name not in line})
-    return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+
+
+# What the lines of one (event, outcome, client, key, version, items) write between the time and
+# the request id, serialized once: bounded, since key names and version lists come from clients.
+_audit_middles: dict[tuple[Any, ...], bytes] = {}
+_AUDIT_MIDDLES_MAX = 4096
+
+
+def _audit_middle(repeated: tuple[Any, ...]) -> bytes:
+    event, outcome, client, key, key_version, items = repeated
+    whole = orjson.dumps(_audit_line(None, event, outcome, client, key, key_version, items, None))
+    # {"ts":null,...,"items":N,"request_id":null} -> ",...,"items":N,"request_id":"
+    middle = b'"' + whole[len(b'{"ts":null') : -len(b"null}")]
+    if len(_audit_middles) >= _AUDIT_MIDDLES_MAX:
+        _audit_middles.clear()
+    _audit_middles[repeated] = middle
+    return middle
 
 
 @dataclass

@@ -321,3 +321,48 @@ writer.close()
     parsed = [orjson.loads(line) for line in bytes(received).splitlines()]
     for name in ("a", "b"):
         assert [p["index"] for p in parsed if p["from"] == name] == list(range(1500))
+
+
+def _audit_dictionary(fields: tuple[Any, ...]) -> bytes:
+    """An audit line as one dictionary serialized whole: what the writer must produce."""
+    when, event, outcome, client, key, key_version, items, request_id, target_key, detail = fields
+    second = int(when)
+    line = {
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        + f".{int((when - second) * 1000):03d}Z",
+        "level": "info",
+        "logger": "cryptd.audit",
+        "msg": "audit",
+        "event": event,
+        "outcome": outcome,
+        "client": client,
+        "key": key,
+        "key_version": list(key_version) if isinstance(key_version, tuple) else key_version,
+        "items": items,
+        "request_id": request_id,
+    }
+    if target_key is not None:
+        line["target_key"] = target_key
+    if detail:
+        line.update({name: value for name, value in detail.items() if name not in line})
+    return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def test_audit_lines_are_the_dictionary_serialized_whole_byte_for_byte() -> None:
+    from service import logs
+
+    now = time.time()
+    cases = [
+        (now, "decrypt", "ok", "client-1", "aes", 1, 1, "0123abcd", None, None),
+        (now + 0.9999, "sign", "partial", None, 'odd "name"\u2028', (1, 3), 2, None, None, None),
+        (now, "decrypt", "key_not_found", "c", "missing", None, 1, "r", None, {}),
+        (now, "rewrap", "ok", "c", "k", 2, 1, "r", "target", None),
+        (now, "key.state", "ok", "c", "k", None, 1, "r", None, {"state": "disabled", "key": "x"}),
+        (1.0 - 2**-60, "decrypt", "ok", "c", "k", 1, 1, "r", None, None),  # .1000Z, as before
+    ]
+    for fields in cases * 2:  # the second time from the serialized middles
+        assert logs._format_audit(fields) == _audit_dictionary(fields), fields
+    for n in range(logs._AUDIT_MIDDLES_MAX + 10):  # many keys: the middles stay bounded
+        fields = (now, "decrypt", "ok", "c", f"key-{n}", n, 1, str(n), None, None)
+        assert logs._format_audit(fields) == _audit_dictionary(fields)
+    assert len(logs._audit_middles) <= logs._AUDIT_MIDDLES_MAX
