@@ -41,7 +41,7 @@ from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
 from service.metrics import Metrics
 from service.metrics.middleware import TimingMiddleware
-from service.pool import make_executor
+from service.pool import InFlight, make_executor
 from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.runner import CryptoRunner
@@ -52,8 +52,11 @@ from service.worker import init_worker
 log = logging.getLogger("cryptd")
 
 
-def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[str, Executor]:
-    """One executor per kind in use, shared by the key types configured for it."""
+def _executors(
+    settings: Settings, master_key: bytes, metrics: Metrics, cheap: InFlight
+) -> dict[str, Executor]:
+    """One executor per kind in use, shared by the key types configured for it; the sliced
+    kind yields to the ``cheap`` requests in progress."""
     # Pool processes record their own crypto timings (multiprocess mode); without a shared
     # directory their figures would be lost, so they then go unrecorded rather than wrong.
     worker_observer: Observer | None = (
@@ -81,6 +84,8 @@ def _executors(settings: Settings, master_key: bytes, metrics: Metrics) -> dict[
             ),
             on_queue_wait=functools.partial(metrics.queue_wait, executor=kind),
             slice_budget=settings.slice_budget,
+            slice_share=settings.slice_share,
+            cheap=cheap,
         )
     return by_kind
 
@@ -126,7 +131,8 @@ def create_app(
         on_flush=metrics.usage_flush,
     )
 
-    by_kind = _executors(settings, master_key, metrics)
+    cheap = InFlight()  # crypto requests in progress that sliced work yields to
+    by_kind = _executors(settings, master_key, metrics, cheap)
     runner = CryptoRunner(
         manager,
         {name: by_kind[settings.executor_kind(name)] for name in KEY_TYPES},
@@ -271,6 +277,8 @@ def create_app(
             timing=inner if isinstance(inner, TimingMiddleware) else None,
             overloaded=lambda: loop_lag.overloaded,
             on_overload=functools.partial(metrics.rejected, "overload"),
+            cheap=cheap,
+            costly=runner.sliced,
         )
 
     services = Services(

@@ -17,10 +17,11 @@ from service.auth.signature import DEFAULT_MAX_SKEW
 from service.cpus import available_cpus
 from service.keys.manager import MAX_DELETION_WAITING_PERIOD
 from service.pool.base import ExecutorKind
-from service.pool.sliced import DEFAULT_BUDGET
+from service.pool.sliced import DEFAULT_BUDGET, DEFAULT_SHARE
 
 # Where a key type's work runs: an executor kind, or "mixed": one item on the event loop,
-# a batch in the thread pool. "sliced" runs every item on the event loop, at most
+# a batch in the thread pool. "sliced" runs every item on the event loop, one at a time and
+# CRYPTD_SLICE_SHARE of the time while other requests are in progress, else at most
 # CRYPTD_SLICE_BUDGET seconds of them per loop iteration (service/pool/sliced.py).
 Placement = Literal["inline", "sliced", "thread", "process", "mixed"]
 
@@ -28,9 +29,10 @@ Placement = Literal["inline", "sliced", "thread", "process", "mixed"]
 # less than a hand-off to a thread (13-28 us), so they run on the event loop. An RSA-2048, SM2
 # or P-384 item costs 0.25-0.5 ms: on the loop ("mixed") it saves the hand-off and is the
 # fastest for that traffic alone, but every cheap request behind it waits (mixed traffic: AES
-# at ~5x its P99 alone). RSA-2048 is "sliced": on the loop, at most CRYPTD_SLICE_BUDGET of it
-# per loop iteration, measured best on the mix of AES and RSA-2048 (the RSA stream 0.94x ->
-# 1.36x OpenBao's, the AES stream's P99 46.9 -> 20.2 ms) and for RSA alone. SM2 (~0.3 ms an
+# at ~5x its P99 alone). RSA-2048 is "sliced": on the loop, yielding to the cheap requests,
+# measured best on the mix of AES and RSA-2048 (the RSA stream 0.94x -> 1.36x OpenBao's in
+# the thread pool's stead, the AES stream's P99 3.2 -> 2.2x its P99 alone with the share)
+# and for RSA alone. SM2 (~0.3 ms an
 # item, RSA-2048's range) is "sliced" too: server CPU per signature 434 against 583 us in the
 # thread pool, and beside AES 2,011 against 1,066 signatures/s (the AES stream's P99 3.7 ->
 # 5.6 ms, the RSA trade). P-384 goes to the thread pool, whose results come back within
@@ -129,8 +131,9 @@ class Settings(BaseSettings):
     # to hand the GIL back (Python's default: 5 ms; docs/EXECUTORS.md, mixed traffic).
     gil_switch_interval: float = Field(default=0.0005, gt=0, le=0.1)
     executors: dict[str, Placement] = Field(default_factory=lambda: dict(DEFAULT_EXECUTORS))
-    # The sliced placement's seconds of costly work per event-loop iteration: the cheap
-    # requests that arrive meanwhile are served between slices (docs/EXECUTORS.md).
+    # The sliced placement's share of the time while other crypto requests are in progress,
+    # and its seconds of work per event-loop iteration while none is (docs/EXECUTORS.md).
+    slice_share: float = Field(default=DEFAULT_SHARE, gt=0, lt=1.0)
     slice_budget: float = Field(default=DEFAULT_BUDGET, gt=0, le=1.0)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

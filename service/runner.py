@@ -43,6 +43,22 @@ class CryptoRunner:
         self._observer = observer
         self._on_overload = on_overload
         self._usage = usage
+        self._sliced_of: Keyring | None = None  # the snapshot _sliced_names was found in
+        self._sliced_names: frozenset[str] = frozenset()
+
+    def sliced(self, name: str) -> bool:
+        """Whether the key called ``name`` runs its items on the sliced executor (a name this
+        worker does not know: no). Asked once per request: the names are found once per
+        keyring snapshot."""
+        keyring = self._keys.keyring
+        if keyring is not self._sliced_of:
+            self._sliced_names = frozenset(
+                known
+                for known, key in keyring.items()
+                if self._executors[key.type.name].kind == "sliced"
+            )
+            self._sliced_of = keyring
+        return name in self._sliced_names
 
     async def key(self, name: str) -> tuple[Keyring, Key]:
         """The snapshot and the key called ``name``; a name this worker does not know is looked

@@ -192,6 +192,42 @@ async def test_an_unexpected_error_is_a_bare_500(
     assert "secret detail" not in caplog.text
 
 
+async def test_requests_that_sliced_work_yields_to_are_counted_while_in_progress(
+    entry: tuple[Any, Any, dict[str, Any]],
+) -> None:
+    """The sliced executor (RSA-2048 and SM2 by default) takes only its share of the loop
+    while cheap requests are in progress: the entry counts every crypto request whose key
+    does not run sliced, from its first byte read to its answer, whatever the outcome."""
+    fast, _, credential = entry
+    seen: list[int] = []
+    original = fast.endpoint
+
+    async def observed(*args: Any) -> bytes:
+        seen.append(fast.cheap.count)
+        answer: bytes = await original(*args)
+        return answer
+
+    fast.endpoint = observed
+    message = orjson.dumps({"message": PLAINTEXT})
+    cases = [
+        ("/v1/encrypt/aes256-gcm", orjson.dumps({"plaintext": PLAINTEXT}), 200, 1),
+        ("/v1/sign/ed25519", message, 200, 1),
+        ("/v1/sign/ecdsa-p256", orjson.dumps({"batch": [{"message": PLAINTEXT}] * 3}), 200, 1),
+        ("/v1/sign/rsa-2048", message, 200, 0),  # sliced: does not count itself
+        ("/v1/sign/sm2", message, 200, 0),
+        ("/v1/encrypt/no-such-key", orjson.dumps({"plaintext": PLAINTEXT}), 404, 1),
+    ]
+    for path, body, status, inside in cases:
+        seen.clear()
+        answer = await _call(fast, path, _signed(credential, path, body), [body])
+        assert answer[0] == status, (path, answer)
+        assert seen == [inside], path
+        assert fast.cheap.count == 0, path  # every request ended, every count taken back
+    # Refused before the endpoint (unsigned): counted while in progress, taken back.
+    assert (await _call(fast, "/v1/encrypt/aes256-gcm", [], [b"{}"]))[0] == 401
+    assert fast.cheap.count == 0
+
+
 async def test_other_routes_take_the_layered_path(
     entry: tuple[Any, Any, dict[str, Any]],
 ) -> None:

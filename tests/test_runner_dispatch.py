@@ -276,14 +276,42 @@ async def test_sliced_runs_every_item_on_the_loop_one_call_each(tmp_path: Path) 
         await sliced.close()
 
 
-def test_sliced_placement_and_its_budget_are_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_runner_tells_which_keys_run_sliced_in_the_current_keyring(
+    tmp_path: Path,
+) -> None:
+    manager = _manager(tmp_path)
+    sliced = make_executor("sliced", workers=1, max_pending=8, deadline=10.0)
+    inline = make_executor("inline", workers=1, max_pending=8, deadline=10.0)
+    runner = CryptoRunner(
+        manager, {"rsa-2048": sliced, "aes256-gcm": inline, "sm2": inline}, chunk_size=64
+    )
+    assert runner.sliced("signing")
+    assert not runner.sliced("data")
+    assert not runner.sliced("no-such-key")
+    manager.create("later", "rsa-2048")  # a new snapshot: looked at again
+    manager.create("other", "sm2")
+    assert runner.sliced("later")
+    assert not runner.sliced("other")
+    assert runner.sliced("signing")
+
+
+def test_sliced_placement_its_budget_and_share_are_configurable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("CRYPTD_ENV", "development")
     monkeypatch.setenv("CRYPTD_EXECUTORS", '{"rsa-2048": "sliced"}')
     monkeypatch.setenv("CRYPTD_SLICE_BUDGET", "0.003")
+    monkeypatch.setenv("CRYPTD_SLICE_SHARE", "0.5")
     settings = Settings()
     assert settings.executor_kind("rsa-2048") == "sliced"
     assert settings.slice_budget == 0.003
+    assert settings.slice_share == 0.5
     assert "rsa-2048" not in settings.single_items_inline()
     monkeypatch.setenv("CRYPTD_SLICE_BUDGET", "0")
     with pytest.raises(ValueError, match="slice_budget"):
         Settings()
+    monkeypatch.setenv("CRYPTD_SLICE_BUDGET", "0.003")
+    for share in ("0", "1", "1.2"):
+        monkeypatch.setenv("CRYPTD_SLICE_SHARE", share)
+        with pytest.raises(ValueError, match="slice_share"):
+            Settings()

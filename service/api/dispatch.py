@@ -34,6 +34,7 @@ from service.auth.middleware import REFUSED, WANTED_HEADERS, SignatureAuthMiddle
 from service.engine import OpName
 from service.errors import CryptdError, Overloaded
 from service.metrics.middleware import TimingMiddleware
+from service.pool import InFlight
 
 log = logging.getLogger("cryptd.api")
 
@@ -57,13 +58,17 @@ class CryptoDispatch:
         timing: TimingMiddleware | None = None,
         overloaded: Callable[[], bool] = lambda: False,
         on_overload: Callable[[], None] | None = None,
+        cheap: InFlight | None = None,
+        costly: Callable[[str], bool] = lambda key: False,
     ) -> None:
         """``app`` answers every other request. ``routes`` maps each operation to its FastAPI
         route (set as ``scope["route"]``; its path is the metrics' label). ``auth`` checks the
         signature (None: every crypto request is refused 401 by the endpoint's policy check);
         ``timing`` is the metrics and access-log recorder (None: neither is on). While
         ``overloaded()`` is true crypto requests are refused with 503 before any work;
-        ``on_overload`` counts them, ``on_body_rejected("body_size")`` counts 413s."""
+        ``on_overload`` counts them, ``on_body_rejected("body_size")`` counts 413s. ``cheap``
+        counts the requests in progress whose key is not ``costly(key)``: the ones costly
+        work on the loop yields to (service/pool/sliced.py)."""
         self.app = app
         self.endpoint = endpoint
         self.auth = auth
@@ -72,6 +77,8 @@ class CryptoDispatch:
         self.timing = timing
         self.overloaded = overloaded
         self.on_overload = on_overload
+        self.cheap = cheap
+        self.costly = costly
         self.routes: dict[str, tuple[OpName, Any]] = {op: (op, r) for op, r in routes.items()}
         if not self.routes:
             raise ValueError("no crypto routes to dispatch")
@@ -96,6 +103,11 @@ class CryptoDispatch:
             return
         started = perf_counter()
         (operation, route), key = target
+        cheap = self.cheap
+        if cheap is not None and not self.costly(key):
+            cheap.start()
+        else:
+            cheap = None
         scope["route"] = route
         scope["path_params"] = {"key": key}
         # One pass over the headers for every layer: request id, declared length, signature.
@@ -174,6 +186,8 @@ class CryptoDispatch:
             if not response_started:
                 await send_error(send_with_id, 500, "internal", "internal error")
         finally:
+            if cheap is not None:
+                cheap.end()
             if self.timing is not None:
                 self.timing.finish(scope, route.path, status, perf_counter() - started)
 

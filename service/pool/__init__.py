@@ -23,13 +23,14 @@ from service.pool.base import (
 )
 from service.pool.inline import InlineExecutor
 from service.pool.process import ProcessExecutor
-from service.pool.sliced import DEFAULT_BUDGET, SlicedExecutor
+from service.pool.sliced import DEFAULT_BUDGET, DEFAULT_SHARE, InFlight, SlicedExecutor
 from service.pool.thread import ThreadExecutor
 
 __all__ = [
     "EXECUTOR_KINDS",
     "Executor",
     "ExecutorKind",
+    "InFlight",
     "InlineExecutor",
     "PoolStats",
     "ProcessExecutor",
@@ -52,9 +53,12 @@ def make_executor(
     initargs: tuple[Any, ...] = (),
     on_queue_wait: QueueWaitObserver | None = None,
     slice_budget: float = DEFAULT_BUDGET,
+    slice_share: float = DEFAULT_SHARE,
+    cheap: InFlight | None = None,
 ) -> Executor:
     """Build an executor; call ``await executor.start()`` before use, ``close()`` after.
-    ``slice_budget``: the sliced kind's seconds of work per loop iteration."""
+    The sliced kind's ``slice_budget`` (seconds of work per loop iteration when nothing else
+    runs), ``slice_share`` (of the time while ``cheap`` requests are in progress)."""
     common: dict[str, Any] = {
         "max_pending": max_pending,
         "deadline": deadline,
@@ -65,7 +69,7 @@ def make_executor(
     if kind == "inline":
         return InlineExecutor(**common)  # one loop: no worker count
     if kind == "sliced":
-        return SlicedExecutor(budget=slice_budget, **common)
+        return SlicedExecutor(budget=slice_budget, share=slice_share, cheap=cheap, **common)
     if kind == "thread":
         return ThreadExecutor(workers=workers, **common)
     if kind == "process":

@@ -1,18 +1,30 @@
-"""Sliced executor: costly calls on the event loop, a bounded slice of each loop iteration.
+"""Sliced executor: costly calls on the event loop, sharing it with the cheap requests.
 
-A private-key operation (RSA-2048 sign ~0.6 ms) is cheapest on the loop itself: no hand-off,
+A private-key operation (RSA-2048 sign ~0.4 ms) is cheapest on the loop itself: no hand-off,
 no second thread taking turns with the loop for the GIL and the core (in the thread pool the
 same signature costs ~35 % more CPU, docs/EXECUTORS.md). But run there one after another, a
-stream of them holds the loop and every cheap request queues behind them. This executor runs
-them on the loop with at most ``budget`` seconds of such work per loop iteration: once the
-iteration's slice is spent, later calls wait, in arrival order, for the next iteration, and
-the cheap requests that became ready meanwhile are served in between. Under a steady mix the
-core is shared about ``budget`` to the cheap work one iteration brings.
+stream of them holds the loop and every cheap request queues behind them. Here a call runs
+only while the executor has *credit*, seconds of loop time it may use; a call's time is taken
+from it, and calls that find none wait, in arrival order, for a later loop iteration. How
+much credit there is depends on the cheap requests (:class:`InFlight`), those that never
+wait for this executor:
+
+- While one is in progress, every second spent otherwise earns ``share / (1 - share)``
+  seconds, up to one call's mean cost: calls take about ``share`` of the time, one at a time
+  between the cheap requests' steps, so a cheap request meets at most one call in each loop
+  iteration it crosses, and fewer the smaller the share. Time counts whether the loop ran
+  something else or waited (a cheap request waiting for Redis): a call waiting for credit is
+  woken by a timer, so the loop sleeps instead of spinning.
+- When none is in progress but one ended in the last ``grace`` seconds, its client is likely
+  about to send the next: one call per loop iteration, so a request arriving meanwhile waits
+  for one call at most.
+- Otherwise nothing else needs the loop: calls run back to back, at most ``budget`` seconds
+  of them per loop iteration.
 
 Backpressure as in the other kinds: at most ``max_pending`` calls waiting or running (past
 that ``run()`` raises :class:`Overloaded` at once), and a call still waiting at its deadline
 is dropped with :class:`Overloaded`. A running call is never interrupted: one item longer than
-the budget still runs whole, and the slice is then spent.
+the credit still runs whole, and the executor is then in debt.
 """
 
 from __future__ import annotations
@@ -33,8 +45,33 @@ from service.pool.queued import Lifecycle, check_deadline
 log = logging.getLogger("cryptd.pool")
 
 DEFAULT_BUDGET = 0.004  # seconds of sliced work per loop iteration (docs/EXECUTORS.md)
+DEFAULT_SHARE = 0.5  # of the time while cheap work is in progress (docs/EXECUTORS.md)
+DEFAULT_GRACE = 0.003  # seconds cheap work counts as in progress after a request ends
 
 _Waiter = tuple[asyncio.Future[None], float]  # (future, loop time its deadline passes at)
+
+
+class InFlight:
+    """The cheap requests a sliced executor yields to: whoever runs them calls ``start()``
+    when one begins and ``end()`` when it is over."""
+
+    __slots__ = ("count", "grace", "last_end")
+
+    def __init__(self, grace: float = DEFAULT_GRACE) -> None:
+        self.count = 0
+        self.grace = grace  # seconds a request's client counts as about to send the next
+        self.last_end = -grace
+
+    def start(self) -> None:
+        self.count += 1
+
+    def end(self) -> None:
+        self.count -= 1
+        self.last_end = perf_counter()
+
+    def recent(self, now: float) -> bool:
+        """Whether one ended less than ``grace`` seconds before ``now``."""
+        return now - self.last_end < self.grace
 
 
 class SlicedExecutor(InlineExecutor):
@@ -44,6 +81,8 @@ class SlicedExecutor(InlineExecutor):
         self,
         *,
         budget: float = DEFAULT_BUDGET,
+        share: float = DEFAULT_SHARE,
+        cheap: InFlight | None = None,
         max_pending: int = 2048,
         deadline: float = 5.0,
         initializer: Callable[..., object] | None = None,
@@ -58,10 +97,16 @@ class SlicedExecutor(InlineExecutor):
             on_queue_wait=on_queue_wait,
         )
         check_deadline(budget)
+        if not 0.0 < share < 1.0:
+            raise ValueError("share must be between 0 and 1")
         self._budget = budget
+        self._rate = share / (1.0 - share)  # credit earned per second of other work
+        self._cheap = cheap or InFlight()
         self._deadline = deadline
         self._waiting: collections.deque[_Waiter] = collections.deque()
-        self._spent = 0.0  # sliced seconds run in the current iteration
+        self._credit = budget  # seconds of loop time calls may still take
+        self._mark = perf_counter()  # when the credit was last brought up to date
+        self._spent = 0.0  # seconds calls ran since then
         self._mean = 0.0  # moving mean of one call's seconds, to size what one slice wakes
         self._granted = 0  # calls woken for this slice, not yet started
         self._reset_scheduled = False
@@ -116,7 +161,7 @@ class SlicedExecutor(InlineExecutor):
             self._rejected_total += 1
             raise Overloaded("service is shutting down", retry_after=1.0)
         waited = 0.0
-        if self._waiting or self._granted or self._slice_full():
+        if self._waiting or self._granted or not self._has_credit():
             try:
                 waited = await self._wait_for_slice(deadline)
             except BaseException:
@@ -132,6 +177,7 @@ class SlicedExecutor(InlineExecutor):
             self._in_flight -= 1
             self._completed_total += 1
             self._spent += elapsed
+            self._credit -= elapsed
             self._mean = elapsed if not self._mean else 0.9 * self._mean + 0.1 * elapsed
             self._schedule_reset()
             self._note_done()
@@ -178,21 +224,43 @@ class SlicedExecutor(InlineExecutor):
             self._reset_scheduled = True
             asyncio.get_running_loop().call_soon(self._next_slice)
 
-    def _slice_full(self) -> bool:
-        """Whether this iteration's slice is spent: something ran in it already and one more
-        call, at the mean cost, would pass the budget."""
-        return self._spent > 0 and self._spent + self._mean > self._budget
+    def _refill(self, *, new_iteration: bool) -> bool:
+        """Bring the credit up to date (see the module's docstring); whether a cheap request
+        is in progress."""
+        now = perf_counter()
+        other = now - self._mark - self._spent
+        self._mark = now
+        self._spent = 0.0
+        if self._cheap.count > 0:
+            # At most one call's worth: calls go one at a time between the cheap steps.
+            cap = self._fit() if self._mean > 0.0 else self._budget
+            self._credit = min(cap, self._credit + max(0.0, other) * self._rate)
+            return True
+        if self._mean > 0.0 and self._cheap.recent(now):
+            fit = self._fit()  # one call per iteration
+            self._credit = fit if new_iteration else min(self._credit, fit)
+        elif new_iteration:
+            self._credit = self._budget
+        return False
+
+    def _fit(self) -> float:
+        """The credit a call needs to start: its mean cost, at most a whole budget."""
+        return min(self._mean, self._budget)
+
+    def _has_credit(self) -> bool:
+        self._refill(new_iteration=False)
+        return self._credit > 0.0 and self._credit >= self._fit()
 
     def _next_slice(self) -> None:
-        """A new iteration: the slice is whole again; wake as many waiting calls as it holds
-        at the mean cost of one, at least one."""
+        """A new iteration: wake as many waiting calls as the credit holds at the mean cost of
+        one; with none measured yet, one."""
         self._reset_scheduled = False
-        self._spent = 0.0
-        room = max(1, int(self._budget / self._mean)) if self._mean > 0 else 1
-        room -= self._granted
+        busy = self._refill(new_iteration=True)
+        fit = self._fit()
+        room = self._credit - self._granted * self._mean
         waiting = self._waiting
         now = asyncio.get_running_loop().time()
-        while waiting and room > 0:
+        while waiting and room > 0.0 and room >= fit:
             future, expires_at = waiting.popleft()
             if future.done():  # expired or cancelled while waiting
                 continue
@@ -201,6 +269,15 @@ class SlicedExecutor(InlineExecutor):
                 continue
             future.set_result(None)
             self._granted += 1
-            room -= 1
-        if waiting:
-            self._schedule_reset()
+            if self._mean == 0.0:
+                break
+            room -= self._mean
+        if not waiting:
+            return
+        if self._granted or not busy:
+            self._schedule_reset()  # the next iteration: those run, or new credit
+            return
+        # Cheap work in progress and no credit for one more call: wake again once that work
+        # has earned it, as a timer (the loop sleeps if nothing else is ready, not spins).
+        self._reset_scheduled = True
+        asyncio.get_running_loop().call_later((fit - room) / self._rate, self._next_slice)
