@@ -30,7 +30,7 @@ def decode(text: str) -> bytes:
 
 def encode_url(data: bytes) -> str:
     """URL-safe alphabet, no padding."""
-    return pybase64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+    return pybase64.b64encode_as_string(data, altchars=b"-_", padded=False)
 
 
 def decode_url(text: str) -> bytes:

@@ -79,8 +79,11 @@ class CryptoRunner:
         if not items:
             return []
         results = await self._dispatch(keyring, key, op, name, items)
-        if self._watcher is not None and any(isinstance(r, KeyNotFound) for r in results):
-            keyring, results = await self._again(keyring, op, name, items, results)
+        if self._watcher is not None:
+            for outcome in results:
+                if isinstance(outcome, KeyNotFound):
+                    keyring, results = await self._again(keyring, op, name, items, results)
+                    break
         usage = self._usage
         if usage is not None:
             usage.record(keyring, key, op, items, results)
