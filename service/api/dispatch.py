@@ -103,11 +103,6 @@ class CryptoDispatch:
             return
         started = perf_counter()
         (operation, route), key = target
-        cheap = self.cheap
-        if cheap is not None and not self.costly(key):
-            cheap.count += 1  # InFlight.start(), inlined: this runs for every request
-        else:
-            cheap = None
         scope["route"] = route
         scope["path_params"] = {"key": key}
         # One pass over the headers for every layer: request id, declared length, signature.
@@ -146,6 +141,11 @@ class CryptoDispatch:
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
             await send(message)
 
+        cheap = self.cheap
+        if cheap is not None and not self.costly(key):
+            cheap.count += 1  # InFlight.start(), inlined: this runs for every request
+        else:
+            cheap = None
         try:
             body = await self._read_body(receive, declared, send_with_id)
             if body is None:
