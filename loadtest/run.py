@@ -885,6 +885,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# Where a run writes its figures changes nothing it measures: left out of the command it reports.
+_OUTPUT_OPTIONS: Final = ("--json", "--markdown", "--chart")
+
+
+def reproduce_command(module: str, argv: Sequence[str]) -> str:
+    """``python -m MODULE ARGS``: the command that measures the same again, without the
+    options that only name output files."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _OUTPUT_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in _OUTPUT_OPTIONS)):
+            kept.append(arg)
+    return " ".join(["python", "-m", module, *kept])
+
+
 def _extra_env(pairs: Sequence[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
@@ -944,8 +963,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **asdict(plan),
                 "topology": topology.summary(),
                 "server_cores": topology.server_cores,
-                "command": "python -m loadtest.run"
-                + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
+                "command": reproduce_command(
+                    "loadtest.run", sys.argv[1:] if argv is None else argv
+                ),
                 "workers": workers,
                 "redis": env.get("CRYPTD_REDIS_URL"),
                 "cryptd_env": extra,

@@ -54,6 +54,7 @@ from loadtest.run import (
     prepare,
     quietly,
     replace_section,
+    reproduce_command,
 )
 from loadtest.scenarios import BY_NAME, SCENARIOS
 from loadtest.targets import Bare, Cryptd, OpenBao
@@ -470,8 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **asdict(plan),
                 "topology": topology.summary(),
                 "server_cores": topology.server_cores,
-                "command": "python -m loadtest.tls"
-                + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv)),
+                "command": reproduce_command(
+                    "loadtest.tls", sys.argv[1:] if argv is None else argv
+                ),
                 "workers": args.workers,
                 "cryptd_env": extra,
             }

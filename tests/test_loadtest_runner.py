@@ -21,7 +21,7 @@ from loadtest.openloop import http_request, run_open_loop
 from loadtest.probe import get_request, keepalive_round_trip
 from loadtest.procstat import tree_cpu_seconds
 from loadtest.report import CaseStudy, Comparison, comparison_table, summarize
-from loadtest.run import make_plan, parse_args
+from loadtest.run import make_plan, parse_args, reproduce_command
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
 from loadtest.targets import find_bao, pinned
 from service.auth.signature import sign_request
@@ -312,6 +312,19 @@ def test_runner_end_to_end(tmp_path: Path) -> None:
     assert mix["alone"]["cryptd"]["requests"] > 0
     assert "bare ASGI" in done.stdout
     assert "Mixed traffic" in done.stdout
+    # The command it reports measures the same again; where the figures went is left out.
+    assert result["config"]["command"].startswith("python -m loadtest.run --quick --workers 1")
+    assert "--json" not in result["config"]["command"]
+    assert str(out) not in result["config"]["command"]
+
+
+def test_reproduce_command_leaves_out_only_output_files() -> None:
+    argv = ["--duration", "8", "--json", "/tmp/a.json", "--markdown=/tmp/a.md", "--rounds", "2"]
+    argv += ["--chart", "c.png", "--update-readme", "--cryptd-env", "CRYPTD_SLICE_SHARE=0.4"]
+    assert reproduce_command("loadtest.run", argv) == (
+        "python -m loadtest.run --duration 8 --rounds 2 --update-readme"
+        " --cryptd-env CRYPTD_SLICE_SHARE=0.4"
+    )
 
 
 def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
