@@ -358,8 +358,8 @@ def redis_url(choice: str) -> str | None:
 
 
 def cryptd_env(workers: int, redis: str | None) -> dict[str, str]:
-    # Worker processes do not share an in-memory replay store: several workers take Redis
-    # (the production setup), otherwise a replay could reach the other worker.
+    # Several workers share the host's replay store unless the run names a Redis (the store
+    # replicas share); one worker never needs it.
     return {"CRYPTD_REDIS_URL": redis} if workers > 1 and redis else {}
 
 
@@ -822,9 +822,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     cryptd.add_argument(
         "--redis",
-        default="private",
-        help="replay store for several workers: private (a redis-server of the run's own,"
-        " pinned with the servers), a URL, or none",
+        default="host",
+        help="replay store for several workers: host (cryptd's default: the host's workers"
+        " share an LMDB file), private (a redis-server of the run's own, pinned with the"
+        " servers), or a Redis URL",
     )
     cryptd.add_argument(
         "--cryptd-env",
@@ -946,7 +947,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     private.start()
                     stack.callback(private.stop)
                     redis = private.url
-            elif args.redis != "none":
+            elif args.redis not in ("host", "none"):  # none: the earlier name of host
                 redis = redis_url(args.redis)
 
             if args.workers == "auto" and (not topology.pinned or topology.server_cores > 1):

@@ -190,6 +190,21 @@ class Cryptd:
         self._http = httpx.Client(base_url=self.url, timeout=30, verify=_ssl(verify))
         redis_url = self.env.get("CRYPTD_REDIS_URL")
         self._redis_pids = [redis_pid(redis_url)] if redis_url else []
+        self._wait_signed_ready()
+
+    def _wait_signed_ready(self, timeout: float = 10.0) -> None:
+        """Until a signed request is answered: a replay store that has just started refuses
+        requests signed in the second it started (503 with Retry-After; docs/AUTH.md), and
+        every measurement signs requests as it goes."""
+        deadline = time.monotonic() + timeout
+        body = {"plaintext": base64.b64encode(b"ready").decode()}
+        while True:
+            status, answer = self.request("/v1/encrypt/aes256-gcm", body)
+            if status == 200:
+                return
+            if status != 503 or time.monotonic() > deadline:
+                raise RuntimeError(f"cryptd refused a signed request: {status} {answer}")
+            time.sleep(0.25)
 
     @property
     def pid(self) -> int:

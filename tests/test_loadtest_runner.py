@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -23,7 +24,7 @@ from loadtest.procstat import tree_cpu_seconds
 from loadtest.report import CaseStudy, Comparison, comparison_table, summarize
 from loadtest.run import make_plan, parse_args, reproduce_command
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
-from loadtest.targets import find_bao, pinned
+from loadtest.targets import Cryptd, find_bao, pinned
 from service.auth.signature import sign_request
 from tests.conftest import Server
 
@@ -184,6 +185,29 @@ def test_open_loop_counts_refusals_as_errors(server: Server) -> None:
     result = run_open_loop(server.url, lambda: fixed, rate=50, duration=0.4)
     assert result.detail["statuses"] == {"200": 1, "401": 19}
     assert result.errors == 19
+
+
+def test_a_started_target_answers_signed_requests_at_once(tmp_path: Path, redis_url: str) -> None:
+    # A Redis database whose replay epoch is new: requests signed in the first seconds are
+    # refused (503, docs/AUTH.md), and the runner signs as soon as a target has started.
+    import redis
+
+    fresh = redis_url.rsplit("/", 1)[0] + "/13"
+    with redis.Redis.from_url(fresh) as client:
+        client.delete("cryptd:nonce:epoch")
+    cryptd = Cryptd(tmp_path, 1, {"CRYPTD_REDIS_URL": fresh})
+    try:
+        cryptd.start()
+        status, _ = cryptd.request("/v1/encrypt/aes256-gcm", {"plaintext": "aGk="})
+        assert status == 200
+        with redis.Redis.from_url(fresh) as client:
+            epoch = client.get("cryptd:nonce:epoch")
+        assert epoch is not None
+        assert float(epoch) > time.time() - 60  # the refusal window was real
+    finally:
+        cryptd.stop()
+        with redis.Redis.from_url(fresh) as client:
+            client.delete("cryptd:nonce:epoch")
 
 
 def test_keepalive_probe(server: Server) -> None:
