@@ -829,6 +829,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     cryptd.add_argument(
         "--cryptd-env",
+        type=env_pair,
         action="append",
         default=[],
         metavar="NAME=VALUE",
@@ -905,14 +906,12 @@ def reproduce_command(module: str, argv: Sequence[str]) -> str:
     return " ".join(["python", "-m", module, *kept])
 
 
-def _extra_env(pairs: Sequence[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--cryptd-env takes NAME=VALUE, got {pair!r}")
-        env[name] = value
-    return env
+def env_pair(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` -> (NAME, VALUE): one variable of a cryptd server's environment."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -928,7 +927,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, topology.client)
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-"))
-    extra = _extra_env(args.cryptd_env)
+    extra = dict(args.cryptd_env)
     result: dict[str, Any] = {"started": started, "machine": machine()}
     log(f"working directory {workdir}; {topology.summary()}")
     try:

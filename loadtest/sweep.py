@@ -32,6 +32,7 @@ from loadtest.run import (
     Plan,
     Prepared,
     describe,
+    env_pair,
     log,
     make_plan,
     make_topology,
@@ -64,13 +65,7 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
     name, sep, rest = text.partition("=")
     if not sep or not name or name == OPENBAO:
         raise argparse.ArgumentTypeError(f"expected NAME=VAR=VALUE,...: {text!r}")
-    env: dict[str, str] = {}
-    for pair in filter(None, rest.split(",")):
-        var, sep, value = pair.partition("=")
-        if not sep or not var:
-            raise argparse.ArgumentTypeError(f"expected VAR=VALUE in {text!r}: {pair!r}")
-        env[var] = value
-    return name, env
+    return name, dict(env_pair(pair) for pair in rest.split(",") if pair)
 
 
 def _scenarios_of(names: Sequence[str]) -> list[Scenario]:

@@ -45,8 +45,8 @@ from loadtest.run import (
     AnyTarget,
     Plan,
     Prepared,
-    _extra_env,
     describe,
+    env_pair,
     log,
     machine,
     make_topology,
@@ -365,7 +365,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--server-cpus", help="CPUs of every server, e.g. 1")
     parser.add_argument("--workers", type=int, default=1, help="cryptd server workers (1)")
     parser.add_argument(
-        "--cryptd-env", action="append", default=[], metavar="NAME=VALUE",
+        "--cryptd-env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
         help="extra environment for both cryptd servers (repeatable)",
     )  # fmt: skip
     parser.add_argument("--no-openbao", action="store_true", help="cryptd and the bare app only")
@@ -425,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpus = topology.server_cpus
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-tls-"))
-    extra = _extra_env(args.cryptd_env)
+    extra = dict(args.cryptd_env)
     result: dict[str, Any] = {"started": started, "machine": machine()}
     log(f"working directory {workdir}; {topology.summary()}")
     try:

@@ -112,10 +112,7 @@ class CryptoDispatch:
         for name, value in scope["headers"]:
             wanted = WANTED_HEADERS.get(name) or WANTED_HEADERS.get(name.lower())
             if wanted is not None:
-                if wanted in headers:  # a repeated field: add_field() combines it
-                    add_field(headers, wanted, value)
-                else:
-                    headers[wanted] = value.decode("latin-1").strip(" \t")
+                add_field(headers, wanted, value)
             elif name == b"content-length":
                 if declared < 0:
                     try:
@@ -143,7 +140,7 @@ class CryptoDispatch:
 
         cheap = self.cheap
         if cheap is not None and not self.costly(key):
-            cheap.count += 1  # InFlight.start(), inlined: this runs for every request
+            cheap.start()
         else:
             cheap = None
         try:
@@ -190,9 +187,8 @@ class CryptoDispatch:
                 await send_error(send_with_id, 500, "internal", "internal error")
         finally:
             ended = perf_counter()
-            if cheap is not None:  # InFlight.end(), inlined, with the timing's clock reading
-                cheap.count -= 1
-                cheap.last_end = ended
+            if cheap is not None:
+                cheap.end(ended)
             if self.timing is not None:
                 self.timing.finish(scope, route.path, status, ended - started)
 

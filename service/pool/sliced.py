@@ -65,9 +65,10 @@ class InFlight:
     def start(self) -> None:
         self.count += 1
 
-    def end(self) -> None:
+    def end(self, now: float | None = None) -> None:
+        """``now``: the caller's ``perf_counter()`` reading, if it has one."""
         self.count -= 1
-        self.last_end = perf_counter()
+        self.last_end = perf_counter() if now is None else now
 
     def recent(self, now: float) -> bool:
         """Whether one ended less than ``grace`` seconds before ``now``."""
