@@ -194,8 +194,8 @@ class Cryptd:
 
     def _wait_signed_ready(self, timeout: float = 10.0) -> None:
         """Until a signed request is answered: a replay store that has just started refuses
-        requests signed in the second it started (503 with Retry-After; docs/AUTH.md), and
-        every measurement signs requests as it goes."""
+        requests created before its start plus the allowed clock skew (503 with Retry-After;
+        docs/AUTH.md), and every measurement signs requests as it goes."""
         deadline = time.monotonic() + timeout
         body = {"plaintext": base64.b64encode(b"ready").decode()}
         while True:
