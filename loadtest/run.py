@@ -487,6 +487,21 @@ def _version(command: list[str]) -> str:
     return ""
 
 
+def interpreter() -> str:
+    """The CPython that runs cryptd and the bare app (the targets start ``sys.executable``): its
+    version and base executable, outside any venv. How it was built moves every figure: the
+    image's CPython is built with PGO and LTO, a pyenv build without either is ~15-20 % slower
+    on cryptd's requests (docs/PERFORMANCE.md, "The interpreter")."""
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    return f"{platform.python_implementation()} {platform.python_version()} ({base})"
+
+
+def served_by(machine: dict[str, Any]) -> str:
+    """The README line's "cryptd and the bare app on ...; ", empty for a run without it."""
+    found = machine.get("interpreter")
+    return f"cryptd and the bare app on {found}; " if found else ""
+
+
 def machine() -> dict[str, Any]:
     model = ""
     with contextlib.suppress(OSError):
@@ -501,6 +516,7 @@ def machine() -> dict[str, Any]:
         "cores": _cores(),
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "interpreter": interpreter(),
         "wrk": _version([find_wrk() or "wrk", "-v"]),
         "openbao": _version([find_bao(), "version"]),
         "cryptd": __version__,
@@ -526,7 +542,7 @@ def run_rounds(
     runs: dict[str, dict[str, list[Measurement]]] = {
         name: {"cryptd": [], "openbao": [], "bare": []} for name in plan.scenarios
     }
-    targets: list[AnyTarget] = [cryptd] + ([bao] if bao else [])
+    targets: list[AnyTarget] = [cryptd, *([bao] if bao else [])]
 
     def targets_of(name: str) -> list[AnyTarget]:
         chosen = [t for t in targets if (t.name, name) in prepared.files]
@@ -665,7 +681,8 @@ def render(
     out = [
         f"# cryptd vs OpenBao Transit ({result['started']})",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}, "
+        f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, "
+        f"{m.get('interpreter') or 'Python ' + m['python']}, "
         f"{m['openbao']}, {m['wrk']}. Load average at start: {' '.join(m['loadavg'])}"
         + (f", at end: {' '.join(m['loadavg_end'])}" if m.get("loadavg_end") else "")
         + ".",
@@ -754,8 +771,8 @@ def readme_table(
     )
     lines = [
         f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
-        f"load average {' '.join(result['machine']['loadavg'])} at start{others}), reproduced "
-        f"by `{cfg['command']}`:",
+        f"{served_by(result['machine'])}load average {' '.join(result['machine']['loadavg'])} at "
+        f"start{others}), reproduced by `{cfg['command']}`:",
         "",
         comparison_table(comparisons, cfg.get("server_cores", 1)),
     ]

@@ -55,6 +55,7 @@ from loadtest.run import (
     quietly,
     replace_section,
     reproduce_command,
+    served_by,
 )
 from loadtest.scenarios import BY_NAME, SCENARIOS
 from loadtest.targets import Bare, Cryptd, OpenBao
@@ -294,7 +295,8 @@ def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
     cfg, tls = result["config"], result["tls"]
     lines = [
         f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
-        f"load average {' '.join(result['machine']['loadavg'])} at start), wrk "
+        f"{served_by(result['machine'])}load average {' '.join(result['machine']['loadavg'])} "
+        "at start), wrk "
         f"-t{cfg['threads']} -c{cfg['connections']} on keep-alive connections, "
         f"{cfg['duration']:.0f} s x {cfg['rounds']} round(s), medians; cryptd with "
         f"{cfg['workers']} worker(s), signing, metrics and audit on. TLS negotiated: cryptd "
@@ -334,8 +336,8 @@ def render(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
         [
             f"# TLS on against off ({result['started']})",
             "",
-            f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python "
-            f"{m['python']}, {m['openbao']}, {m['wrk']}.",
+            f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, "
+            f"{m.get('interpreter') or 'Python ' + m['python']}, {m['openbao']}, {m['wrk']}.",
             "",
             summary(result, found),
         ]

@@ -22,7 +22,7 @@ from loadtest.openloop import http_request, run_open_loop
 from loadtest.probe import get_request, keepalive_round_trip
 from loadtest.procstat import tree_cpu_seconds
 from loadtest.report import CaseStudy, Comparison, comparison_table, summarize
-from loadtest.run import make_plan, parse_args, reproduce_command
+from loadtest.run import interpreter, make_plan, parse_args, reproduce_command
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
 from loadtest.targets import Cryptd, find_bao, pinned
 from service.auth.signature import sign_request
@@ -336,6 +336,9 @@ def test_runner_end_to_end(tmp_path: Path) -> None:
     assert mix["alone"]["cryptd"]["requests"] > 0
     assert "bare ASGI" in done.stdout
     assert "Mixed traffic" in done.stdout
+    # Which CPython served is on record: how it was built moves every figure.
+    assert result["machine"]["interpreter"] == interpreter()
+    assert f"{interpreter()}, " in done.stdout
     # The command it reports measures the same again; where the figures went is left out.
     assert result["config"]["command"].startswith("python -m loadtest.run --quick --workers 1")
     assert "--json" not in result["config"]["command"]
