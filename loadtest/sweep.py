@@ -6,7 +6,8 @@ minute.
         --config share60=CRYPTD_SLICE_SHARE=0.6 --openbao --scenarios mix,rsa-sign
 
 Every configuration is a ``cryptd serve --dev`` of its own (``NAME=VAR=VALUE,VAR=VALUE``: extra
-environment; ``PYTHONPATH=DIR`` runs another checkout's ``service``), all started at once on
+environment; ``PYTHONPATH=DIR`` runs another checkout's ``service``; ``--python NAME=PATH`` runs
+it on another interpreter, a venv's python where cryptd is installed), all started at once on
 the server CPUs and measured one after the other, in an order reversed every round, so that a
 slow minute falls on all of them alike. A mix is measured as the runner measures it (its
 streams at once, then its ``alone`` stream by itself). With ``--openbao``, OpenBao is one more
@@ -68,6 +69,14 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
     return name, dict(env_pair(pair) for pair in rest.split(",") if pair)
 
 
+def parse_python(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (NAME, PATH): the interpreter configuration NAME runs on."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH: {text!r}")
+    return name, path
+
+
 def _scenarios_of(names: Sequence[str]) -> list[Scenario]:
     found: list[Scenario] = []
     for name in names:
@@ -102,13 +111,25 @@ def measure_round(target: Target, plan: Plan, names: Sequence[str], round_no: in
 
 def report(targets: Sequence[Target], names: Sequence[str]) -> str:
     """Medians per target, and the goals against OpenBao round by round where it ran."""
-    lines = ["| target | measured | ops/s | P50 ms | P99 ms |", "|---|---|---:|---:|---:|"]
+    lines = [
+        "| target | measured | ops/s | server CPU us/request | P50 ms | P99 ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for target in targets:
         for what, runs in target.runs.items():
             ops = statistics.median(m.ops for m in runs)
+            # A mix's streams share the server's CPU: per request only for one scenario alone.
+            cpu = [
+                m.server_cpu_s / m.requests * 1e6
+                for m in runs
+                if m.server_cpu_s and m.requests and ":" not in what
+            ]
+            per_request = f"{statistics.median(cpu):,.0f}" if cpu else "-"
             p50 = statistics.median(m.p50_ms for m in runs)
             p99 = statistics.median(m.p99_ms for m in runs)
-            lines.append(f"| {target.name} | {what} | {ops:,.0f} | {p50:.2f} | {p99:.2f} |")
+            lines.append(
+                f"| {target.name} | {what} | {ops:,.0f} | {per_request} | {p50:.2f} | {p99:.2f} |"
+            )
     bao = next((t for t in targets if t.name == OPENBAO), None)
     if bao is None:
         return "\n".join(lines)
@@ -158,12 +179,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME=ENV",
         help="a cryptd configuration: NAME=VAR=VALUE,VAR=VALUE (NAME= for the defaults)",
     )
+    parser.add_argument(
+        "--python",
+        type=parse_python,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="the interpreter configuration NAME runs on (default: this one)",
+    )
     parser.add_argument("--openbao", action="store_true", help="OpenBao as one more target")
     parser.add_argument("--scenarios", default="mix", help="scenarios and mixes (mix)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     args, rest = parser.parse_known_args(argv)
     names = args.scenarios.split(",")
+    pythons = dict(args.python)
+    strays = set(pythons) - {name for name, _ in args.config}
+    if strays:
+        parser.error(f"--python for no configuration: {', '.join(sorted(strays))}")
     unknown = [n for n in names if n not in BY_NAME and n not in MIX_BY_NAME]
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(unknown)}")
@@ -186,7 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{topology.summary()}; {len(args.config)} configuration(s)")
     work = Path(tempfile.mkdtemp(prefix="cryptd-sweep-"))
     targets = [
-        Target(name, Cryptd(work / name, 1, env, topology.server_cpus)) for name, env in args.config
+        Target(
+            name,
+            Cryptd(work / name, 1, env, topology.server_cpus, python=pythons.get(name, "")),
+        )
+        for name, env in args.config
     ]
     if args.openbao:
         targets.append(Target(OPENBAO, OpenBao(work / OPENBAO, topology.server_cpus)))

@@ -151,6 +151,8 @@ class Cryptd:
     secret: bytes = b""
     credentials: Path = Path()
     ca_file: Path | None = None  # with tls: the CA that issued the server's certificate
+    # The interpreter that runs it (one where cryptd is installed: a venv's python); "": this one.
+    python: str = ""
     _process: subprocess.Popen[bytes] | None = None
     _http: httpx.Client | None = None
     _redis_pids: list[int] = field(default_factory=list)
@@ -170,7 +172,8 @@ class Cryptd:
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
                 pinned(
-                    [sys.executable, "-m", "service", "serve", "--dev", "--port", str(port)]
+                    [self.python or sys.executable, "-m", "service", "serve", "--dev"]
+                    + ["--port", str(port)]
                     + (["--tls"] if self.tls else []),
                     self.cpus,
                 ),

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -357,7 +358,8 @@ def test_reproduce_command_leaves_out_only_output_files() -> None:
 def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
     """Two cryptd configurations and OpenBao, one short round of the mix: every target's
     streams measured, the goals computed against the OpenBao of the same round; a
-    configuration's environment reaches its server (a share of 2 is refused at start)."""
+    configuration's environment reaches its server (a share of 2 is refused at start), and so
+    does its interpreter."""
     if shutil.which("wrk") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("wrk is required under CI (apt-get install -y wrk luajit)")
@@ -367,17 +369,28 @@ def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
     except RuntimeError:
         pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
 
-    def sweep(*configs: str) -> subprocess.CompletedProcess[str]:
+    def sweep(*configs: str, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "loadtest.sweep", "--openbao", "--rounds", "1"]
-        command += ["--duration", "1", "--connections", "2", "--quiet", "0"]
+        command += ["--duration", "1", "--connections", "2", "--quiet", "0", *extra]
         for config in configs:
             command += ["--config", config]
         return subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
         )
 
-    done = sweep("default=", "narrow=CRYPTD_SLICE_SHARE=0.3,CRYPTD_SLICE_BUDGET=0.001")
+    # "narrow" runs on an interpreter of its own: this one behind a script that says so.
+    calls = tmp_path / "calls"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    done = sweep(
+        "default=",
+        "narrow=CRYPTD_SLICE_SHARE=0.3,CRYPTD_SLICE_BUDGET=0.001",
+        extra=["--python", f"narrow={python}"],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    (call,) = calls.read_text().splitlines()  # one server started, by that interpreter
+    assert call.startswith("-m service serve --dev --port ")
     for target in ("default", "narrow", "openbao"):
         for measured in ("mix:aes-encrypt", "mix:rsa-sign", "mix:alone"):
             assert f"| {target} | {measured} |" in done.stdout
@@ -387,6 +400,9 @@ def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
     refused = sweep("broken=CRYPTD_SLICE_SHARE=2")
     assert refused.returncode != 0
     assert "server exited" in refused.stderr
+    stray = sweep("default=", extra=["--python", f"other={python}"])
+    assert stray.returncode != 0
+    assert "--python for no configuration: other" in stray.stderr
 
 
 def test_topology_pins_by_default_where_there_are_two_cpus(
