@@ -141,7 +141,10 @@ def test_auto_rotate_period_bounds(tmp_path: Path) -> None:
 
 def test_due_keys_rotate_once_and_the_activation_delay_holds(tmp_path: Path) -> None:
     manager, master, path = fresh(tmp_path, min_auto_rotate_period=1, activation_delay=600)
-    manager.create("k", "aes256-gcm", auto_rotate_period=1)
+    # Versions are dated in whole seconds (rounded down), so a version made at x.999 s is due a
+    # period after x: with a period of 1 s the new version could be due again a millisecond
+    # later. With 2 s it is due no sooner than a second after it was made.
+    manager.create("k", "aes256-gcm", auto_rotate_period=2)
     second = KeyManager(path, master, min_auto_rotate_period=1)
     second.load()
     time.sleep(2.1)
