@@ -490,8 +490,8 @@ def _version(command: list[str]) -> str:
 def interpreter() -> str:
     """The CPython that runs cryptd and the bare app (the targets start ``sys.executable``): its
     version and base executable, outside any venv. How it was built moves every figure: the
-    image's CPython is built with PGO and LTO, a pyenv build without either is ~15-20 % slower
-    on cryptd's requests (docs/PERFORMANCE.md, "The interpreter")."""
+    image's CPython is built with PGO and LTO; on a pyenv build with neither cryptd spends 11-20 %
+    more CPU a request (docs/PERFORMANCE.md, "The interpreter")."""
     base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
     return f"{platform.python_implementation()} {platform.python_version()} ({base})"
 
