@@ -496,6 +496,12 @@ def interpreter() -> str:
     return f"{platform.python_implementation()} {platform.python_version()} ({base})"
 
 
+def interpreter_of(machine: dict[str, Any]) -> str:
+    """The interpreter a result records; a run from before it was recorded gives its version."""
+    found: str | None = machine.get("interpreter")
+    return found or f"Python {machine['python']}"
+
+
 def served_by(machine: dict[str, Any]) -> str:
     """The README line's "cryptd and the bare app on ...; ", empty for a run without it."""
     found = machine.get("interpreter")
@@ -682,7 +688,7 @@ def render(
         f"# cryptd vs OpenBao Transit ({result['started']})",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, "
-        f"{m.get('interpreter') or 'Python ' + m['python']}, "
+        f"{interpreter_of(m)}, "
         f"{m['openbao']}, {m['wrk']}. Load average at start: {' '.join(m['loadavg'])}"
         + (f", at end: {' '.join(m['loadavg_end'])}" if m.get("loadavg_end") else "")
         + ".",

@@ -47,6 +47,7 @@ from loadtest.run import (
     Prepared,
     describe,
     env_pair,
+    interpreter_of,
     log,
     machine,
     make_topology,
@@ -337,7 +338,7 @@ def render(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
             f"# TLS on against off ({result['started']})",
             "",
             f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, "
-            f"{m.get('interpreter') or 'Python ' + m['python']}, {m['openbao']}, {m['wrk']}.",
+            f"{interpreter_of(m)}, {m['openbao']}, {m['wrk']}.",
             "",
             summary(result, found),
         ]
