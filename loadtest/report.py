@@ -272,8 +272,16 @@ class Ceiling:
         share = self.share
         return None if share is None else share >= CEILING_SHARE_GOAL
 
+    def verdict(self) -> str:
+        """The share against its goal, to a tenth of a percent: a rounded 30 % can be a miss."""
+        share = self.share
+        return (
+            f"{'-' if share is None else f'{share:.1%}'} "
+            f"(goal >= {CEILING_SHARE_GOAL:.0%}: {_verdict_bool(self.goal())})"
+        )
+
     def table(self) -> str:
-        share, own = self.share, self.own_us
+        own = self.own_us
         lines = [
             "| server | req/s | server CPU us/request | P50 / P99 ms |",
             "|---|---:|---:|---:|",
@@ -284,8 +292,7 @@ class Ceiling:
             f"| {_num(self.cryptd.server_cpu_per_request_us)} "
             f"| {_ms(self.cryptd.p50_ms)} / {_ms(self.cryptd.p99_ms)} |",
             "",
-            f"cryptd's share of the ceiling: {'-' if share is None else f'{share:.0%}'} "
-            f"(goal >= {CEILING_SHARE_GOAL:.0%}: {_verdict_bool(self.goal())}); cryptd's own work: "
+            f"cryptd's share of the ceiling: {self.verdict()}; cryptd's own work: "
             f"{'-' if own is None else f'{own:.0f}'} us of server CPU per request.",
         ]
         return "\n".join(lines)

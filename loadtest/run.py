@@ -793,8 +793,8 @@ def readme_table(
         lines += [
             "",
             f"Bare-ASGI ceiling on the same core: {ceiling.bare.rps:,.0f} req/s; cryptd's AES-GCM "
-            f"encrypt is {ceiling.share:.0%} of it ({ceiling.own_us or 0:.0f} us of its own work "
-            "per request).",
+            f"encrypt's share of it: {ceiling.verdict()}, with {ceiling.own_us or 0:.0f} us of "
+            "its own work per request.",
         ]
     for mix in mixes:
         lines += ["", f"{mix.mix.title}:", "", mix.table()]

@@ -22,7 +22,7 @@ from loadtest.measure import Measurement, parse_wrk_output
 from loadtest.openloop import http_request, run_open_loop
 from loadtest.probe import get_request, keepalive_round_trip
 from loadtest.procstat import tree_cpu_seconds
-from loadtest.report import CaseStudy, Comparison, comparison_table, summarize
+from loadtest.report import CaseStudy, Ceiling, Comparison, comparison_table, summarize
 from loadtest.run import interpreter, make_plan, parse_args, reproduce_command
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
 from loadtest.targets import Cryptd, find_bao, pinned
@@ -91,6 +91,23 @@ def test_scenario_without_counterpart_has_no_goals() -> None:
     assert row.goals() is None
     assert row.ratio is None
     assert "n/a" in comparison_table([row])
+
+
+@pytest.mark.parametrize(
+    ("cryptd_rps", "verdict"),
+    [(3000, "30.0% (goal >= 30%: PASS)"), (2990, "29.9% (goal >= 30%: FAIL)")],
+)
+def test_ceiling_share_is_reported_precisely_enough_to_tell_a_miss(
+    cryptd_rps: float, verdict: str
+) -> None:
+    """29.9 % is a miss; rounded to a whole percent it would read as the goal met."""
+    ceiling = Ceiling(
+        "aes-encrypt",
+        summarize([_m(cryptd_rps, 5.0)], cores=1),
+        summarize([_m(10_000, 2.0)], cores=1),
+    )
+    assert ceiling.verdict() == verdict
+    assert f"cryptd's share of the ceiling: {verdict};" in ceiling.table()
 
 
 def test_case_study_goal_compares_p99() -> None:
