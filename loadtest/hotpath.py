@@ -93,6 +93,9 @@ def application(
                 # Created with its clients, as cryptd serve --dev does: no start-up window.
                 HostReplayStore(replay_dir, epoch=0).close()
                 os.environ["CRYPTD_REPLAY_DIR"] = str(replay_dir)
+            # The keyring generation board cryptd serve gives its workers (shared memory): its
+            # comparison before every key use is part of the cost.
+            os.environ["CRYPTD_RUNTIME_DIR"] = str(Path(scratch))
             from service.app import create_app
             from service.config import Settings
 

@@ -34,8 +34,10 @@ from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.edge.protocol import REJECTION_HOOK
 from service.engine import Observer
+from service.keys.board import Board
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
+from service.keys.propagation import Propagation
 from service.keys.store import open_store
 from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
@@ -121,9 +123,26 @@ def create_app(
         on_destroy=lambda name, date: logs.audit.record(
             "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
         ),
+        board=Board.in_directory(settings.runtime_dir),
     )
     manager.load()
     watcher = KeyringWatcher(manager, interval=settings.keyring_reload_interval)
+
+    async def propagate(generation: int) -> Propagation:
+        report = await watcher.replicas.confirm(generation, settings.propagation_timeout)
+        metrics.key_change_propagated(report.waited, report.complete)
+        if not report.complete:
+            log.warning(
+                "key change not confirmed by every replica in time",
+                extra={
+                    "generation": generation,
+                    "replicas": report.replicas,
+                    "confirmed": report.confirmed,
+                    "missing": list(report.missing),
+                },
+            )
+        return report
+
     usage = UsageRecorder(
         open_usage_store(settings.keystore_url_value(), settings.usage_file_path()),
         interval=settings.usage_flush_interval,
@@ -240,6 +259,7 @@ def create_app(
                 await executor.close()
             await auth.aclose()
             await run_in_threadpool(manager.store.close)
+            manager.board.close()
             metrics.close()
             # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
             # since a worker re-raising SIGTERM ends without running exit handlers.
@@ -288,6 +308,7 @@ def create_app(
         max_batch_items=settings.max_batch_items,
         readiness=readiness,
         audit=logs.audit,
+        propagate=propagate,
     )
     app = Service(
         edge=edge,
@@ -346,9 +367,12 @@ class Service(FastAPI):
 def app_factory() -> FastAPI:
     """Entry point for ``uvicorn --factory`` (each server worker process builds its own app).
     Workers a process manager spawned with no shared store (``uvicorn --workers N``) get the
-    host store of their siblings: each one's memory would accept a replay once per worker."""
+    host store and board of their siblings: each one's memory would accept a replay once per
+    worker, and serve a key a sibling deleted."""
     settings = Settings()
-    unshared = settings.redis_url is None and settings.replay_dir is None
-    if unshared and (shared := sibling_directory()) is not None:
+    shared = sibling_directory()
+    if shared is not None and settings.redis_url is None and settings.replay_dir is None:
         settings = settings.model_copy(update={"replay_dir": shared})
+    if shared is not None and settings.runtime_dir is None:
+        settings = settings.model_copy(update={"runtime_dir": shared})
     return create_app(settings)

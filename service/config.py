@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     # cancel-deletion undoes it); 0: deleted at once. Unset: 7 days, 0 in development.
     deletion_waiting_period: int | None = Field(default=None, ge=0, le=MAX_DELETION_WAITING_PERIOD)
     keyring_reload_interval: float = Field(default=1.0, gt=0)
+    # Where this host's server workers share state without a server (the generation board of
+    # service/keys/board.py): cryptd serve makes a private one when unset.
+    runtime_dir: Path | None = None
+    # How long the answer to a key change waits for the other replicas to enforce it
+    # (service/keys/propagation.py); the answer says which ones did.
+    propagation_timeout: float = Field(default=2.0, ge=0, le=60)
     keyring_read_only: bool = False
     # Seconds a new key version waits before encryptions and signatures use it, so that every
     # replica has reloaded it first (Kubernetes: longer than the kubelet's Secret sync period).

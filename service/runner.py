@@ -36,6 +36,7 @@ class CryptoRunner:
     ) -> None:
         """``usage`` counts every successful item (a dictionary increment, flushed later)."""
         self._keys = keys
+        self._board = keys.board.cell  # the host's generation board, read on every request
         self._watcher = watcher
         self._executors = executors
         self._single_inline = single_inline
@@ -60,17 +61,26 @@ class CryptoRunner:
             self._sliced_of = keyring
         return name in self._sliced_names
 
+    async def current(self) -> Keyring:
+        """The snapshot to serve: never older than a change acknowledged on this host."""
+        if self._watcher is not None:
+            return await self._watcher.current()
+        return self._keys.current()
+
     async def key(self, name: str) -> tuple[Keyring, Key]:
         """The snapshot and the key called ``name``; a name this worker does not know is looked
-        up in the store once before it is answered 404."""
+        up in the store once before it is answered 404. A snapshot older than this host's
+        board (a change committed by a sibling) is never used: the store is read first."""
         keyring = self._keys.keyring
+        if self._board[0] > keyring.generation:
+            keyring = await self.current()
         try:
             return keyring, keyring.key(name)
         except KeyNotFound:
             if self._watcher is None:
                 raise
         await self._watcher.after_miss(self._watcher.now())
-        keyring = self._keys.keyring
+        keyring = self._keys.caught_up()
         return keyring, keyring.key(name)
 
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
@@ -96,7 +106,7 @@ class CryptoRunner:
         those items again if it brought a newer keyring."""
         assert self._watcher is not None
         await self._watcher.after_miss(self._watcher.now())
-        fresh = self._keys.keyring
+        fresh = self._keys.caught_up()
         if fresh.digest == keyring.digest or name not in fresh:
             return keyring, results
         missed = [i for i, r in enumerate(results) if isinstance(r, KeyNotFound)]

@@ -60,8 +60,11 @@ class Server:
         client_id: str | None = None,
         secret: bytes | None = None,
         query: str = "",
+        connection: httpx.Client | None = None,
     ) -> httpx.Response:
-        """A signed request (unless ``sign=False``); ``raw`` sends bytes as they are."""
+        """A signed request (unless ``sign=False``); ``raw`` sends bytes as they are.
+        ``connection``: sent on that client's kept-alive connection (one worker's, see
+        :func:`connections_to_every_worker`), else on a new one."""
         content = raw if raw is not None else (b"" if body is None else orjson.dumps(body))
         sent: dict[str, str] = {}
         if sign:
@@ -76,9 +79,16 @@ class Server:
                 )
             )
         sent.update(headers or {})
-        url = self.url + path + (f"?{query}" if query else "")
+        target = path + (f"?{query}" if query else "")
+        if connection is not None:
+            return connection.request(method, target, content=content, headers=sent)
         return httpx.request(
-            method, url, content=content, headers=sent, timeout=30, verify=self.verify()
+            method,
+            self.url + target,
+            content=content,
+            headers=sent,
+            timeout=30,
+            verify=self.verify(),
         )
 
     def log(self) -> str:
@@ -145,6 +155,34 @@ def start_server(
         log_path,
         ca_file,
     )
+
+
+@contextlib.contextmanager
+def connections_to_every_worker(server: Server, workers: int) -> Iterator[dict[int, httpx.Client]]:
+    """One keep-alive connection to each worker: connections are opened until /readyz has
+    named every worker index (the kernel spreads new connections over the workers)."""
+    found: dict[int, httpx.Client] = {}
+    extra: list[httpx.Client] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(found) < workers:
+            assert time.monotonic() < deadline, f"reached workers {sorted(found)} only"
+            client = httpx.Client(
+                base_url=server.url,
+                timeout=30,
+                verify=server.verify(),
+                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            )
+            detail = client.get("/readyz").json()["checks"]["server"]
+            assert detail["workers"] == workers
+            if detail["worker"] in found:
+                extra.append(client)  # kept open so the next connection hashes elsewhere
+            else:
+                found[detail["worker"]] = client
+        yield found
+    finally:
+        for client in [*found.values(), *extra]:
+            client.close()
 
 
 def stop_server(server: Server) -> None:

@@ -23,9 +23,8 @@ import pytest
 
 from cryptd_client import CryptdClient
 from service.auth.signature import sign_request
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, connections_to_every_worker, start_server, stop_server
 from tests.test_keystore_support import replicas, wait_for
-from tests.test_workers import _connections_to_every_worker
 
 FAST = {"CRYPTD_USAGE_FLUSH_INTERVAL": "0.2"}
 PLAINTEXT = base64.b64encode(b"usage").decode()
@@ -75,7 +74,7 @@ def worker_versions(client: httpx.Client, server: Server, key: str) -> dict[int,
 
 def settle_everywhere(server: Server, key: str, check: Callable[[dict[int, Any]], bool]) -> None:
     """Wait until every worker's answer passes ``check``: the others have flushed too."""
-    with _connections_to_every_worker(server, 2) as clients:
+    with connections_to_every_worker(server, 2) as clients:
         for client in clients.values():
             settle(lambda c=client: check(worker_versions(c, server, key)))
 
@@ -100,7 +99,7 @@ def test_counts_from_every_worker_add_up_exactly(two_workers: Server) -> None:
     server = two_workers
     sent = {0: 0, 1: 0}
     started = time.time()
-    with _connections_to_every_worker(server, 2) as clients:
+    with connections_to_every_worker(server, 2) as clients:
         token = ""
         for n in range(60):
             worker = n % 2
@@ -185,7 +184,7 @@ def test_versions_are_counted_apart(two_workers: Server) -> None:
     server = two_workers
     old = server.request("POST", "/v1/encrypt/sm4-gcm", {"plaintext": PLAINTEXT}).json()
     assert server.request("POST", "/v1/keys/sm4-gcm/rotate").status_code == 200
-    with _connections_to_every_worker(server, 2) as clients:  # both have reloaded it
+    with connections_to_every_worker(server, 2) as clients:  # both have reloaded it
         for client in clients.values():
             settle(lambda c=client: latest_version(c, server, "sm4-gcm") == 2)
     for _ in range(3):
@@ -238,7 +237,7 @@ def test_counts_survive_a_restart_flushed_at_shutdown(tmp_path: Path) -> None:
     slow = {"CRYPTD_USAGE_FLUSH_INTERVAL": "3600"}
     server = start_server(tmp_path, slow, workers=2)
     try:
-        with _connections_to_every_worker(server, 2) as clients:
+        with connections_to_every_worker(server, 2) as clients:
             for n in range(10):
                 send(clients[n % 2], server, "encrypt", "aes256-gcm", {"plaintext": PLAINTEXT})
     finally:
@@ -272,7 +271,7 @@ def test_the_key_label_cap_folds_later_keys_into_other(tmp_path: Path) -> None:
     server = start_server(tmp_path, {**FAST, "CRYPTD_METRICS_MAX_KEYS": "2"}, workers=2)
     keys = ["aes256-gcm", "sm4-gcm", "hmac-sha256", "hmac-sha512", "ed25519"]
     try:
-        with _connections_to_every_worker(server, 2) as clients:
+        with connections_to_every_worker(server, 2) as clients:
             # Each worker sees the keys in another order: the cap still holds for the host.
             for worker, order in ((0, keys), (1, list(reversed(keys)))):
                 for key in order:
@@ -308,8 +307,8 @@ def test_two_replicas_on_postgresql_count_into_one_total(
     with replicas(tmp_path, pg_database, count=2, workers=2, env=settings) as servers:
         per_server = 40
         with (
-            _connections_to_every_worker(servers[0], 2) as first,
-            _connections_to_every_worker(servers[1], 2) as second,
+            connections_to_every_worker(servers[0], 2) as first,
+            connections_to_every_worker(servers[1], 2) as second,
         ):
             for n in range(per_server):
                 for server, clients in ((servers[0], first), (servers[1], second)):
@@ -349,7 +348,7 @@ def test_a_usage_store_that_cannot_be_written_refuses_nothing(tmp_path: Path) ->
     try:
         # Each worker knows only its own flushes: every worker gets requests, and every
         # worker's readiness is read (a worker with nothing to flush has failed nothing).
-        with _connections_to_every_worker(server, 2) as clients:
+        with connections_to_every_worker(server, 2) as clients:
             for n in range(6):
                 send(clients[n % 2], server, "encrypt", "aes256-gcm", {"plaintext": PLAINTEXT})
             for client in clients.values():

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,30 +21,14 @@ import pytest
 from service.auth.signature import sign_request
 from service.config import Settings
 from service.cpus import available_cpus
-from tests.conftest import REDIS_URL, Server, free_port, start_server, stop_server
-
-
-@contextlib.contextmanager
-def _connections_to_every_worker(server: Server, workers: int) -> Iterator[dict[int, httpx.Client]]:
-    """One keep-alive connection to each worker: connections are opened until /readyz has
-    named every worker index (the kernel spreads new connections over the workers)."""
-    found: dict[int, httpx.Client] = {}
-    extra: list[httpx.Client] = []
-    try:
-        deadline = time.monotonic() + 30
-        while len(found) < workers:
-            assert time.monotonic() < deadline, f"reached workers {sorted(found)} only"
-            client = httpx.Client(base_url=server.url, timeout=30)
-            detail = client.get("/readyz").json()["checks"]["server"]
-            assert detail["workers"] == workers
-            if detail["worker"] in found:
-                extra.append(client)  # kept open so the next connection hashes elsewhere
-            else:
-                found[detail["worker"]] = client
-        yield found
-    finally:
-        for client in [*found.values(), *extra]:
-            client.close()
+from tests.conftest import (
+    REDIS_URL,
+    Server,
+    connections_to_every_worker,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 
 def _replay_to_each(server: Server, workers: int) -> list[int]:
@@ -53,7 +36,7 @@ def _replay_to_each(server: Server, workers: int) -> list[int]:
     body = orjson.dumps({"plaintext": "aGVsbG8="})
     path = "/v1/encrypt/aes256-gcm"
     headers = sign_request("POST", path, "", body, server.client_id, server.secret)
-    with _connections_to_every_worker(server, workers) as clients:
+    with connections_to_every_worker(server, workers) as clients:
         return [
             clients[index].post(path, content=body, headers=headers).status_code
             for index in sorted(clients)

@@ -5,6 +5,7 @@ through module globals."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -12,6 +13,7 @@ from fastapi import Request
 
 from service.auth import middleware as auth
 from service.keys.manager import KeyManager
+from service.keys.propagation import Propagation
 from service.logs import Audit
 from service.runner import CryptoRunner
 from service.usage.recorder import UsageRecorder
@@ -29,6 +31,8 @@ class Services:
     max_batch_items: int
     readiness: list[tuple[str, ReadinessCheck]]
     audit: Audit
+    # propagate(generation): wait for the other replicas to enforce it; what they confirmed.
+    propagate: Callable[[int], Awaitable[Propagation]]
 
 
 def services(request: Request) -> Services:

@@ -56,8 +56,11 @@ def error_response(
 
 
 def _retry_after(exc: CryptdError) -> str | None:
+    """Seconds to wait, for the answers a retry can cure: 429 and every 503."""
     if isinstance(exc, Overloaded | RateLimited):
         return str(max(1, round(exc.retry_after)))
+    if status_for(exc) == 503:
+        return "1"
     return None
 
 

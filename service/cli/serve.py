@@ -168,6 +168,20 @@ def _prepare_replay_dir(dev_directory: Path | None) -> None:
     os.environ["CRYPTD_REPLAY_DIR"] = str(directory.resolve())
 
 
+def _prepare_runtime_dir() -> None:
+    """The server workers of this host share a private directory (CRYPTD_RUNTIME_DIR) for what
+    they keep in common without a server: the keyring generation board
+    (service/keys/board.py). A fresh one per start, memory-backed where possible, removed at
+    exit: a restart begins from what the store holds."""
+    if os.environ.get("CRYPTD_RUNTIME_DIR"):
+        return
+    shm = "/dev/shm"  # noqa: S108 - mkdtemp below makes the name unpredictable
+    base = shm if os.access(shm, os.W_OK) else None
+    directory = Path(tempfile.mkdtemp(prefix="cryptd-run-", dir=base))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ["CRYPTD_RUNTIME_DIR"] = str(directory)
+
+
 def _open_replay_store(settings: Settings, dev_created: bool) -> None:
     """Open the host store once before any worker does: a directory that is not private
     fails here with its reason. A store created together with the development clients
@@ -212,6 +226,7 @@ def serve(args: argparse.Namespace) -> int:
         scheme = "https" if args.tls else "http"
         dev_created = prepare_dev_dir(directory, f"{scheme}://{host}:{port}", ca_file)
     _prepare_replay_dir(dev_directory)
+    _prepare_runtime_dir()
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     _verify_key_store(settings, settings.load_master_key())

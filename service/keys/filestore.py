@@ -17,7 +17,7 @@ import orjson
 
 from service.fileio import atomic_write, file_stamp
 from service.keys.document import RawDocument
-from service.keys.store import IntegrityError, StoreUnavailable
+from service.keys.store import IntegrityError, Notice, StoreUnavailable
 
 
 class FileKeyStore:
@@ -52,8 +52,11 @@ class FileKeyStore:
         with self._flock(f".{purpose}.lock", blocking=False) as held:
             yield held
 
-    def notifications(self) -> AsyncGenerator[None, None] | None:
+    def notifications(self) -> AsyncGenerator[Notice, None] | None:
         return None  # polled: one stat per interval
+
+    def announce(self, replica: str, generation: int) -> None:
+        pass  # one replica per host: the board says it all
 
     def close(self) -> None:
         pass

@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TypeVar
 from service.crypto.registry import KEY_TYPES
 from service.errors import Conflict, InvalidRequest, KeyNotFound, KeystoreUnavailable
 from service.keys import backup
+from service.keys.board import Board
 from service.keys.document import (
     KeyRecord,
     KeyringDocument,
@@ -104,12 +105,16 @@ class KeyManager:
         min_auto_rotate_period: int = MIN_AUTO_ROTATE_PERIOD,
         deletion_waiting_period: int = 0,
         on_destroy: Callable[[str, str], None] | None = None,
+        board: Board | None = None,
     ) -> None:
         """``deletion_waiting_period`` (seconds): 0 deletes at once; above, :meth:`delete`
         schedules the deletion that :meth:`run_due` carries out once the date has passed.
         ``on_destroy(name, deletion_date)`` is told of every key whose material this process
-        destroyed (for the audit log)."""
+        destroyed (for the audit log). ``board``: the generation board this host's workers
+        share (service/keys/board.py); raised with every snapshot this process verifies or
+        commits, so a change is in force on every sibling before it is answered."""
         self.store: KeyStore = FileKeyStore(store) if isinstance(store, Path) else store
+        self.board = board if board is not None else Board()
         self._master = master
         self._read_only = read_only
         self._activation_delay = activation_delay
@@ -156,6 +161,7 @@ class KeyManager:
             self._document = verified.document
             self._stamp = stamp
             self._verified_at = time.monotonic()
+            self.board.raise_to(self._keyring.generation)
             log.info(
                 "keyring loaded",
                 extra={
@@ -207,12 +213,36 @@ class KeyManager:
             self._keyring = keyring
             self._document = verified.document
             self._stamp = stamp
+            self.board.raise_to(keyring.generation)
             self._reload_outcome(None)
             log.info(
                 "keyring loaded",
                 extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
             )
             return True
+
+    def caught_up(self) -> Keyring:
+        """The snapshot in memory if it is as new as this host's board; else 503: a change
+        acknowledged on this host is not loaded here yet (the store could not be read, or
+        gave back an older keyring), and serving the older snapshot would undo it."""
+        keyring = self.keyring
+        enforced = self.board.generation
+        if enforced > keyring.generation:
+            why = self.store_error or f"the store holds generation {keyring.generation}"
+            raise KeystoreUnavailable(
+                f"a key change (keyring generation {enforced}) is in force on this host and "
+                f"this worker could not load it yet ({why}); nothing was served. Retry in a "
+                "moment; if this lasts, the key store lost acknowledged changes: check it, "
+                "then restart cryptd"
+            )
+        return keyring
+
+    def current(self) -> Keyring:
+        """:meth:`caught_up`, reading the store first when the board is ahead (blocking: for
+        threads; the event loop goes through service.keys.watch)."""
+        if self.board.cell[0] > self.keyring.generation:
+            self.refresh(force=True)
+        return self.caught_up()
 
     def reload(self) -> bool:
         """Read the store now (SIGHUP). True when the stored keyring is the one served."""
@@ -269,6 +299,9 @@ class KeyManager:
                 raise _unavailable(str(exc)) from None
             self._keyring = keyring
             self._document = document
+            # Before the caller answers: from here on no worker of this host serves an older
+            # snapshot (each compares the board before it uses a key).
+            self.board.raise_to(keyring.generation)
             self.last_reload_error = None
             self.store_unreachable = None
             try:
@@ -502,6 +535,7 @@ class KeyManager:
         """One key's metadata and every version's material in the clear (for an encrypted
         backup; the caller wraps it before it leaves the process)."""
         check_stored_name(name)
+        self.current()  # never export what a change acknowledged on this host took away
         record = None if self._document is None else self._document.keys.get(name)
         if record is None or _past_date(record, time.time()):
             raise KeyNotFound(f"key {name!r} not found")

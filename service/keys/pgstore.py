@@ -16,8 +16,9 @@ layer checks is the same in both stores and a file keyring moves here unchanged.
 one transaction that first locks the header row (``SELECT ... FOR UPDATE``): writers of every
 replica queue there, each reads what the one before committed, so two replicas rotating one
 key at once get two distinct versions and lose neither. The commit sends ``NOTIFY`` on
-:data:`CHANNEL`; every server worker listens (and checks the generation periodically, the
-backstop for a missed notification or a dropped connection).
+:data:`CHANNEL` with the new generation; every server worker listens (and checks the
+generation periodically, the backstop for a missed notification or a dropped connection), and
+answers on :data:`REPLICAS_CHANNEL` once its host enforces it (service/keys/propagation.py).
 
 Driver: psycopg 3 (libpq): every libpq parameter in the URL (``sslmode``, ``sslrootcert``,
 ``target_session_attrs``, ...) and the ``PG*`` environment work as with ``psql``; it has a
@@ -31,6 +32,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import AsyncGenerator, Hashable, Iterator
 from typing import Any
@@ -42,12 +44,22 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb, set_json_loads
 
 from service.keys.document import RawDocument
-from service.keys.store import IntegrityError, NotInitialised, StoreUnavailable
+from service.keys.store import (
+    Announced,
+    Changed,
+    IntegrityError,
+    Notice,
+    NotInitialised,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("cryptd.keystore")
 
 SCHEMA_VERSION = 1
 CHANNEL = "cryptd_keyring"
+# Replicas announce the keyring generation they enforce here (service/keys/propagation.py).
+REPLICAS_CHANNEL = "cryptd_replicas"
+_REPLICA_ID = re.compile(r"[0-9a-f]{32}")
 LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
 
 # What a connection gets unless the URL says otherwise: fail fast when the database is down,
@@ -242,12 +254,17 @@ class PostgresKeyStore:
                             "SELECT pg_advisory_unlock(%s, hashtext(%s))", (LOCK_CLASS, purpose)
                         )
 
-    def notifications(self) -> AsyncGenerator[None, None]:
+    def notifications(self) -> AsyncGenerator[Notice, None]:
         return self._listen()
 
-    async def _listen(self) -> AsyncGenerator[None, None]:
-        """LISTEN on a connection of its own, reconnecting with backoff; yields once after
-        each (re)connection (changes may have been missed) and once per notification."""
+    def announce(self, replica: str, generation: int) -> None:
+        with self._session() as conn:
+            conn.execute("SELECT pg_notify(%s, %s)", (REPLICAS_CHANNEL, f"{replica} {generation}"))
+
+    async def _listen(self) -> AsyncGenerator[Notice, None]:
+        """LISTEN on a connection of its own, reconnecting with backoff; yields ``Changed(None)``
+        after each (re)connection (changes may have been missed), then one notice per
+        notification."""
         delay = RECONNECT_DELAY[0]
         while True:
             try:
@@ -260,11 +277,14 @@ class PostgresKeyStore:
             try:
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    await conn.execute(f"LISTEN {REPLICAS_CHANNEL}")
                     delay = RECONNECT_DELAY[0]
-                    yield None
+                    yield Changed()
                     while True:
-                        async for _ in conn.notifies(timeout=LISTEN_KEEPALIVE):
-                            yield None
+                        async for notify in conn.notifies(timeout=LISTEN_KEEPALIVE):
+                            notice = parse_notice(notify.channel, notify.payload)
+                            if notice is not None:
+                                yield notice
                         await conn.execute("SELECT 1")  # quiet for a while: still connected?
             except psycopg.Error as exc:
                 log.warning("key store notifications interrupted", extra={"reason": reason(exc)})
@@ -281,6 +301,18 @@ class PostgresKeyStore:
     def drop_schema(self) -> None:
         with self._session() as conn, conn.transaction():
             conn.execute("DROP TABLE IF EXISTS " + ", ".join(reversed(TABLES)))
+
+
+def parse_notice(channel: str, payload: str) -> Notice | None:
+    """A notification as a notice; None for one that is not cryptd's (ignored, never trusted
+    beyond "look at the store": a generation only makes a worker read and verify it)."""
+    if channel == CHANNEL:
+        return Changed(int(payload) if payload.isdigit() else None)
+    if channel == REPLICAS_CHANNEL:
+        replica, _, generation = payload.partition(" ")
+        if _REPLICA_ID.fullmatch(replica) and generation.isdigit():
+            return Announced(replica, int(generation))
+    return None
 
 
 def _check_schema(version: int) -> None:

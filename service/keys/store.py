@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Hashable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +39,25 @@ class IntegrityError(KeystoreError):
 
 class NotInitialised(KeystoreError):
     """The store holds no keyring yet (``cryptd keystore init`` makes one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """The stored keyring changed to ``generation``; None: it may have (a notification may have
+    been missed while the channel was (re)connecting)."""
+
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """Replica ``replica`` enforces keyring ``generation`` (service/keys/propagation.py)."""
+
+    replica: str
+    generation: int
+
+
+Notice = Changed | Announced
 
 
 class Transaction(Protocol):
@@ -70,9 +90,14 @@ class KeyStore(Protocol):
         """A lock named ``purpose`` held by at most one process of every replica sharing the
         store; yields False at once when another holds it."""
 
-    def notifications(self) -> AsyncGenerator[None, None] | None:
-        """Push notifications of changes, or None when the store has none (then the stamp is
-        polled). Yields after every (re)connection too: a change may have been missed."""
+    def notifications(self) -> AsyncGenerator[Notice, None] | None:
+        """Push notifications of changes and replicas' announcements, or None when the store
+        has no channel (then the stamp is polled). Yields ``Changed(None)`` after every
+        (re)connection too: a change may have been missed."""
+
+    def announce(self, replica: str, generation: int) -> None:
+        """Tell every replica listening that ``replica`` enforces ``generation`` (nothing
+        where the store has no channel)."""
 
     def close(self) -> None: ...
 

@@ -1,5 +1,6 @@
 """Keeps a server worker's keyring current: push notifications where the store has them, a
-periodic check as the backstop, and a check before any "not found".
+periodic check as the backstop, a check before any "not found", and a store read before
+serving whenever this host's board (service/keys/board.py) is ahead of the snapshot.
 
 A request naming a key or version this worker does not know waits for one store check that
 started after it arrived, then looks again: a key created through another worker or replica
@@ -14,8 +15,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
+from service.keys.keyring import Keyring
 from service.keys.manager import KeyManager
+from service.keys.propagation import HEARTBEAT, Replicas
+from service.keys.store import Announced, Notice
 
 log = logging.getLogger("cryptd.keyring")
 
@@ -29,13 +34,21 @@ class KeyringWatcher:
         *,
         interval: float,
         miss_interval: float = MISS_INTERVAL,
-        run_blocking: Callable[[Callable[[], bool]], Awaitable[bool]] | None = None,
+        run_blocking: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+        replicas: Replicas | None = None,
+        heartbeat: float = HEARTBEAT,
     ) -> None:
+        """``replicas`` hears the other replicas' announcements (a store with a channel); this
+        worker announces its host's generation after every change it hears of and every
+        ``heartbeat`` seconds."""
         self._manager = manager
+        self._board = manager.board.cell
+        self.replicas = replicas if replicas is not None else Replicas(manager.board)
+        self._heartbeat = heartbeat
         self._interval = interval
         self._miss_interval = miss_interval
         self._run_blocking = run_blocking or asyncio.to_thread
-        self._task: asyncio.Future[bool] | None = None
+        self._task: asyncio.Future[Any] | None = None
         self._task_started = float("-inf")  # when the check in flight (or the last) started
         self._completed_started = float("-inf")  # start of the newest finished check
         self._tasks: list[asyncio.Task[None]] = []
@@ -44,6 +57,17 @@ class KeyringWatcher:
         self._tasks.append(asyncio.create_task(self._backstop()))
         if (stream := self._manager.store.notifications()) is not None:
             self._tasks.append(asyncio.create_task(self._listen(stream)))
+            self._tasks.append(asyncio.create_task(self._announce_every()))
+
+    async def current(self) -> Keyring:
+        """The snapshot to serve: the one in memory, unless the board says a newer generation
+        is in force on this host; then once the store has been read (503
+        ``keystore_unavailable`` if that did not bring it)."""
+        keyring = self._manager.keyring
+        if self._board[0] <= keyring.generation:
+            return keyring
+        await self._check(self.now(), rate_limited=True)
+        return self._manager.caught_up()
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -69,6 +93,16 @@ class KeyringWatcher:
         """Check the store now (a notification arrived)."""
         await self._check(self.now(), rate_limited=False)
 
+    async def announce(self) -> None:
+        """Tell the other replicas which generation this host enforces (never raises)."""
+        board = self._manager.board
+        try:
+            await self._run_blocking(
+                lambda: self._manager.store.announce(board.replica, board.generation)
+            )
+        except Exception as exc:  # the heartbeat says it again shortly
+            log.warning("keyring announcement failed", extra={"error_type": type(exc).__name__})
+
     async def _check(self, since: float, *, rate_limited: bool) -> None:
         loop = asyncio.get_running_loop()
         while self._completed_started < since:
@@ -87,17 +121,17 @@ class KeyringWatcher:
             # forever on a finished check and block the worker.
             self._settle(task, started)
 
-    def _settle(self, task: asyncio.Future[bool], started: float) -> None:
+    def _settle(self, task: asyncio.Future[Any], started: float) -> None:
         """Record a finished check (idempotent: its callback and its waiters both call it)."""
         if self._task is task:
             self._task = None
         self._completed_started = max(self._completed_started, started)
 
-    def _start(self, started: float) -> asyncio.Future[bool]:
+    def _start(self, started: float) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(self._run_blocking(self._manager.refresh))
         self._task, self._task_started = task, started
 
-        def done(finished: asyncio.Future[bool]) -> None:
+        def done(finished: asyncio.Future[Any]) -> None:
             self._settle(finished, started)
             if not finished.cancelled() and finished.exception() is not None:
                 log.error(
@@ -116,12 +150,23 @@ class KeyringWatcher:
             except Exception as exc:  # refresh never raises; this is the last guard
                 log.error("keyring check failed", extra={"error_type": type(exc).__name__})
 
-    async def _listen(self, stream: AsyncGenerator[None, None]) -> None:
+    async def _listen(self, stream: AsyncGenerator[Notice, None]) -> None:
         try:
-            async for _ in stream:
+            async for notice in stream:
+                if isinstance(notice, Announced):
+                    self.replicas.heard(notice.replica, notice.generation)
+                    continue
                 try:
                     await self.refresh()
                 except Exception as exc:
                     log.error("keyring check failed", extra={"error_type": type(exc).__name__})
+                # The refresh raised the board (or a sibling's did): the whole host enforces
+                # the change now; the replica that made it is waiting to hear so.
+                await self.announce()
         finally:
             await stream.aclose()  # closes the listening connection when cancelled
+
+    async def _announce_every(self) -> None:
+        while True:
+            await self.announce()
+            await asyncio.sleep(self._heartbeat)

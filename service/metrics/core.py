@@ -207,6 +207,11 @@ class Metrics:
         if self.enabled:
             self._child(self._families.usage_flushes, "ok" if ok else "error").inc()
 
+    def key_change_propagated(self, seconds: float, complete: bool) -> None:
+        if self.enabled:
+            outcome = "confirmed" if complete else "incomplete"
+            self._child(self._families.key_change_propagation, outcome).observe(seconds)
+
     def keyring_reload(self, ok: bool) -> None:
         if self.enabled:
             self._child(self._families.keyring_reloads, "ok" if ok else "error").inc()

@@ -35,6 +35,7 @@ REJECTIONS = "cryptd_rejections"
 KEYRING_RELOADS = "cryptd_keyring_reloads"
 KEY_OPERATIONS = "cryptd_key_operations"  # exported as cryptd_key_operations_total
 USAGE_FLUSHES = "cryptd_usage_flushes"
+KEY_CHANGE_PROPAGATION = "cryptd_key_change_propagation_seconds"
 BUILD_INFO = "cryptd_build_info"
 
 # Counters read from a histogram's _count at scrape time: histogram -> (counter, help).
@@ -64,6 +65,7 @@ class Families:
     keyring_reloads: Counter
     key_operations: Counter
     usage_flushes: Counter
+    key_change_propagation: Histogram
 
 
 def create_families(registry: CollectorRegistry | None) -> Families:
@@ -150,6 +152,14 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             USAGE_FLUSHES,
             "Writes of the usage counts to the usage store, by outcome (ok, error).",
             ("outcome",),
+            registry=registry,
+        ),
+        key_change_propagation=Histogram(
+            KEY_CHANGE_PROPAGATION,
+            "Seconds the answer to a key change waited for the other replicas to enforce it;"
+            " outcome confirmed (every live replica did) or incomplete (the timeout passed).",
+            ("outcome",),
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         ),
     )

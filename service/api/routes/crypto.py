@@ -3,6 +3,7 @@ path."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -36,8 +37,12 @@ BATCHABLE: tuple[OpName, ...] = OPERATIONS
 AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey", "hmac"})
 
 
-def json_response(content: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+def json_response(
+    content: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(content), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def _check_to_key(scope: Scope, client: Client, item: Item) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -15,6 +15,7 @@ from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, parse_model, parse_update
 from service.errors import CryptdError
 from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
+from service.keys.propagation import HEADER
 from service.usage.recorder import as_json as usage_json
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
@@ -46,18 +47,37 @@ def _audit(
     )
 
 
+class Managed(NamedTuple):
+    """A key-management action's result, and the headers its answer carries."""
+
+    key: Key | None
+    headers: dict[str, str]
+
+    @property
+    def found(self) -> Key:
+        assert self.key is not None
+        return self.key
+
+
 async def manage(
     request: Request,
     event: str,
     key: str,
     change: Callable[[], Key | None],
     outcome: Callable[[Key | None], tuple[str, Mapping[str, Any] | None]] | None = None,
-) -> Key | None:
+    *,
+    changes: bool = True,
+) -> Managed:
     """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
     the file write fsyncs) and audit it, whatever the outcome. ``outcome(result)`` gives the
-    audit line's outcome and detail (default: ok, none)."""
+    audit line's outcome and detail (default: ok, none).
+
+    A change (``changes``) is in force on every worker of this host once it returns (the
+    board); the answer then waits, at most CRYPTD_PROPAGATION_TIMEOUT, for the other
+    replicas to enforce it too, and says how far it got (``X-Cryptd-Propagation``)."""
     check_key_name(key)
     deps.note(request, key=key, operation=event)
+    services = deps.services(request)
     try:
         deps.require_admin(request)
         result = await run_in_threadpool(change)
@@ -66,12 +86,15 @@ async def manage(
         raise
     status, detail = ("ok", None) if outcome is None else outcome(result)
     _audit(request, event, key, status, None if result is None else result.latest_version, detail)
-    return result
+    if not changes:
+        return Managed(result, {})
+    report = await services.propagate(services.keys.keyring.generation)
+    return Managed(result, {HEADER: report.header()})
 
 
 @router.get("")
 async def list_keys(request: Request) -> Response:
-    keyring = deps.services(request).keys.keyring
+    keyring = await deps.services(request).runner.current()
     keys = [
         {
             "name": key.name,
@@ -122,16 +145,14 @@ async def create_key(request: Request, key: str) -> Response:
         )
 
     created = await manage(request, "create", key, change)
-    assert created is not None
-    return json_response(created.metadata(), status=201)
+    return json_response(created.found.metadata(), status=201, headers=created.headers)
 
 
 @router.post("/{key}/rotate")
 async def rotate_key(request: Request, key: str) -> Response:
     manager = deps.services(request).keys
     rotated = await manage(request, "rotate", key, lambda: manager.rotate(key))
-    assert rotated is not None
-    return json_response(rotated.metadata())
+    return json_response(rotated.found.metadata(), headers=rotated.headers)
 
 
 @router.patch("/{key}")
@@ -154,8 +175,8 @@ async def update_key(request: Request, key: str) -> Response:
         previous.append(before)
         return updated
 
-    updated = await manage(request, "update", key, change)
-    assert updated is not None
+    managed = await manage(request, "update", key, change)
+    updated = managed.found
     if previous and previous[0] != updated.state:
         _audit(
             request,
@@ -165,7 +186,7 @@ async def update_key(request: Request, key: str) -> Response:
             updated.latest_version,
             {"state": updated.state, "previous_state": previous[0]},
         )
-    return json_response(updated.metadata())
+    return json_response(updated.metadata(), headers=managed.headers)
 
 
 def _scheduled(result: Key | None) -> tuple[str, Mapping[str, Any] | None]:
@@ -180,10 +201,10 @@ async def delete_key(request: Request, key: str) -> Response:
     ``deletion_date``) when CRYPTD_DELETION_WAITING_PERIOD schedules it."""
     _not_reserved(key)
     manager = deps.services(request).keys
-    pending = await manage(request, "delete", key, lambda: manager.delete(key), _scheduled)
-    if pending is None:
-        return Response(status_code=204)
-    return json_response(pending.metadata(), status=202)
+    deleted = await manage(request, "delete", key, lambda: manager.delete(key), _scheduled)
+    if deleted.key is None:
+        return Response(status_code=204, headers=deleted.headers)
+    return json_response(deleted.key.metadata(), status=202, headers=deleted.headers)
 
 
 def _restored(result: Key | None) -> tuple[str, Mapping[str, Any] | None]:
@@ -196,5 +217,4 @@ async def cancel_deletion(request: Request, key: str) -> Response:
     restored = await manage(
         request, "cancel_deletion", key, lambda: manager.cancel_deletion(key), _restored
     )
-    assert restored is not None
-    return json_response(restored.metadata())
+    return json_response(restored.found.metadata(), headers=restored.headers)

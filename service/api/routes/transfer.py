@@ -69,15 +69,16 @@ def _unwrapped(manager: KeyManager, type_name: str, ciphertext: str, oaep: str |
 @router.get("/" + WRAPPING_KEY_PATH, summary="the RSA-4096 public key that wraps imports")
 async def wrapping_key(request: Request) -> Response:
     manager = deps.services(request).keys
-    key = await manage(
+    managed = await manage(
         request,
         "wrapping-key",
         WRAPPING_KEY_PATH,
         lambda: manager.ensure_internal_key(WRAPPING_KEY, wrapping.WRAPPING_KEY_TYPE),
     )
-    assert key is not None
-    pem = key.version().handle.public_key_pem()
-    return json_response({"public_key": pem, "type": wrapping.WRAPPING_KEY_TYPE})
+    pem = managed.found.version().handle.public_key_pem()
+    return json_response(
+        {"public_key": pem, "type": wrapping.WRAPPING_KEY_TYPE}, headers=managed.headers
+    )
 
 
 @router.post(
@@ -106,8 +107,7 @@ async def import_key(request: Request, key: str) -> Response:
         )
 
     created = await manage(request, "import", key, change)
-    assert created is not None
-    return json_response(created.metadata(), status=201)
+    return json_response(created.found.metadata(), status=201, headers=created.headers)
 
 
 @router.post(
@@ -133,8 +133,7 @@ async def import_version(request: Request, key: str) -> Response:
         return manager.rotate(key, material=material)
 
     rotated = await manage(request, "import-version", key, change)
-    assert rotated is not None
-    return json_response(rotated.metadata())
+    return json_response(rotated.found.metadata(), headers=rotated.headers)
 
 
 @router.get("/{key}/backup", summary="the key, every version and its metadata, in one blob")
@@ -146,7 +145,7 @@ async def backup_key(request: Request, key: str) -> Response:
         blob.append(manager.backup(key))
         return manager.keyring.key(key)
 
-    await manage(request, "backup", key, change)
+    await manage(request, "backup", key, change, changes=False)
     return json_response({"backup": b64.encode(blob[0])})
 
 
@@ -165,5 +164,4 @@ async def restore_key(request: Request, key: str) -> Response:
         return manager.restore(key, decode_b64(body.backup, "backup"))
 
     restored = await manage(request, "restore", key, change)
-    assert restored is not None
-    return json_response(restored.metadata(), status=201)
+    return json_response(restored.found.metadata(), status=201, headers=restored.headers)

@@ -1,0 +1,153 @@
+"""The host's generation board and the replicas' confirmations, without servers: a board
+shared by processes only rises; a worker whose snapshot is older than the board reads the store
+before it serves, and refuses (503, with Retry-After) when the store cannot bring it up to
+date; a change waits for the live replicas and names the ones that did not confirm."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from service.api.errors import cryptd_error_response
+from service.errors import KeyNotFound, KeystoreUnavailable
+from service.keys.admin import initialise
+from service.keys.board import SIZE, Board
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
+from service.keys.masterkey import MasterKey
+from service.keys.pgstore import parse_notice
+from service.keys.propagation import Propagation, Replicas
+from service.keys.store import Announced, Changed
+from service.keys.watch import KeyringWatcher
+from service.runner import CryptoRunner
+
+MASTER = MasterKey(bytes(range(32)))
+
+
+def _raise_in_child(path: str, generation: int) -> None:
+    board = Board(Path(path))
+    board.raise_to(generation)
+    board.close()
+
+
+def test_a_board_is_shared_by_processes_and_never_goes_down(tmp_path: Path) -> None:
+    path = tmp_path / "keyring.board"
+    board = Board(path)
+    assert board.generation == 0
+    assert path.stat().st_size == SIZE
+    assert path.stat().st_mode & 0o777 == 0o600
+    child = multiprocessing.get_context("spawn").Process(
+        target=_raise_in_child, args=(str(path), 41)
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert board.generation == 41  # seen through the mapping, no reread
+    assert board.raise_to(7) is False
+    assert board.generation == 41
+    assert board.raise_to(42) is True
+    again = Board(path)  # another worker opening it: same cell, same replica id
+    assert (again.generation, again.replica) == (42, board.replica)
+    assert len(board.replica) == 32
+    again.close()
+    board.close()
+
+
+def test_boards_of_other_hosts_have_other_replica_ids(tmp_path: Path) -> None:
+    first, second = Board(tmp_path / "a"), Board(tmp_path / "b")
+    assert first.replica != second.replica
+    assert Board().replica not in (first.replica, second.replica)
+    first.close()
+    second.close()
+
+
+def test_a_board_refuses_a_symlink(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_bytes(b"")
+    (tmp_path / "keyring.board").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError, match=r"symbolic link|Too many levels"):
+        Board(tmp_path / "keyring.board")
+
+
+def _manager(tmp_path: Path, board: Board) -> KeyManager:
+    store = FileKeyStore(tmp_path / "keyring.json")
+    if store.read() is None:
+        initialise(store, MASTER)
+    manager = KeyManager(store, MASTER, board=board)
+    manager.load()
+    return manager
+
+
+async def test_a_sibling_commit_makes_the_next_request_read_the_store(tmp_path: Path) -> None:
+    board = Board(tmp_path / "keyring.board")
+    committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    committing.create("k", "aes256-gcm", deletion_allowed=True)
+    watcher = KeyringWatcher(serving, interval=3600)  # its periodic check never comes
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    _, key = await runner.key("k")  # a miss: looked up in the store
+    assert key.name == "k"
+    committing.delete("k")
+    assert board.generation == committing.keyring.generation > serving.keyring.generation
+    with pytest.raises(KeyNotFound):
+        await runner.key("k")  # the board was ahead: the store was read before serving
+    assert serving.keyring.generation == board.generation
+
+
+async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) -> None:
+    """The store gave back an older keyring than a change acknowledged here (a failover that
+    lost it): nothing is served from the older one."""
+    board = Board(tmp_path / "keyring.board")
+    manager = _manager(tmp_path, board)
+    manager.create("k", "aes256-gcm")
+    board.raise_to(manager.keyring.generation + 5)
+    runner = CryptoRunner(manager, {}, chunk_size=8, watcher=KeyringWatcher(manager, interval=3600))
+    with pytest.raises(KeystoreUnavailable, match="in force on this host") as refused:
+        await runner.key("k")
+    response = cryptd_error_response(refused.value)
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    with pytest.raises(KeystoreUnavailable):
+        manager.backup("k")  # nor exported
+
+
+async def test_a_change_waits_for_the_live_replicas_and_names_the_late() -> None:
+    now = [100.0]
+    replicas = Replicas(Board(), live_for=6.0, clock=lambda: now[0])
+    alone = await replicas.confirm(5, timeout=1.0)
+    assert (alone.replicas, alone.confirmed, alone.missing) == (1, 1, ())
+    assert alone.waited < 0.01
+    replicas.heard("b" * 32, 4)
+    replicas.heard("c" * 32, 5)
+
+    async def answer_later() -> None:
+        await asyncio.sleep(0.05)
+        replicas.heard("b" * 32, 5)
+
+    task = asyncio.create_task(answer_later())
+    confirmed = await replicas.confirm(5, timeout=5.0)
+    await task
+    assert (confirmed.replicas, confirmed.confirmed, confirmed.missing) == (3, 3, ())
+    assert 0.04 < confirmed.waited < 1.0
+    report = Propagation(replicas=3, confirmed=3, waited=0.0123)
+    assert report.header() == "replicas=3, confirmed=3, waited=0.012"
+
+    replicas.heard("b" * 32, 5)
+    timed_out = await replicas.confirm(6, timeout=0.05)
+    assert (timed_out.replicas, timed_out.confirmed) == (3, 1)  # this one
+    assert timed_out.missing == ("b" * 32, "c" * 32)
+    assert timed_out.header().endswith(f'missing=("{"b" * 32}" "{"c" * 32}")')
+    now[0] += 6.5  # three heartbeats without a word from either: forgotten
+    assert (await replicas.confirm(6, timeout=1.0)).replicas == 1
+    replicas.heard(replicas.me, 1)  # its own announcements are not another replica
+    assert replicas.live() == {}
+
+
+def test_notifications_are_parsed_and_anything_else_ignored() -> None:
+    assert parse_notice("cryptd_keyring", "17") == Changed(17)
+    assert parse_notice("cryptd_keyring", "") == Changed(None)
+    assert parse_notice("cryptd_replicas", "ab" * 16 + " 17") == Announced("ab" * 16, 17)
+    for payload in ("ab" * 16, "xy" * 16 + " 3", "ab" * 16 + " -3", "ab" * 17 + " 3", ""):
+        assert parse_notice("cryptd_replicas", payload) is None
+    assert parse_notice("other", "17") is None
