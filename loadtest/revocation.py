@@ -44,6 +44,7 @@ import httpx
 import orjson
 
 from loadtest.measure import WrkStream, find_wrk
+from loadtest.phase import describe, rsa_sign_us
 from loadtest.targets import Cryptd
 from service.auth.signature import sign_request
 
@@ -401,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--admin-url", default=ADMIN_URL, help=f"PostgreSQL ({ADMIN_URL})")
     args = parser.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
+    phase = rsa_sign_us()
+    print(f"host phase: {describe(phase)}")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     report: dict[str, Any]
     if args.campaign == "cost":
@@ -440,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  answer's wait for the other replica: {report['answer_wait_for_other_replica']}"
         )
         failed = report["served_after_answer"] > 0
+    report["phase_rsa2048_sign_us"] = phase
     path = RESULTS / f"revocation-{args.campaign}-{stamp}.json"
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"report: {path}")

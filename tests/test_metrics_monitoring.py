@@ -37,6 +37,7 @@ def exported() -> dict[str, set[str]]:
     metrics.pool_gauges(1, 1, max_pending=8)
     metrics.queue_wait(0.001)
     metrics.keyring_reload(True)
+    metrics.key_change_propagated(0.01, complete=False)
     found: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render()[0].decode()):
         for sample in family.samples:

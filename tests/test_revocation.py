@@ -14,6 +14,8 @@ import base64
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -401,3 +403,21 @@ def test_a_storm_across_both_replicas_issues_no_token_after_an_acknowledged_chan
                 )
                 assert opened.status_code == 200, opened.text
                 assert opened.json()["plaintext"] == PLAINTEXT
+
+
+def test_the_campaign_command_runs_and_reports(tmp_path: Path) -> None:
+    """``python -m loadtest.revocation host``, shortened: the command CI does not run in full."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.revocation", "host", "--store", "file", "--rounds", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "file: 6 rounds, served after an acknowledged delete: 0, after a disable: 0" in done.stdout
+    )
+    report = Path(done.stdout.split("report: ")[1].strip())
+    assert b'"served_after_delete":0' in report.read_bytes().replace(b" ", b"")
+    report.unlink()
