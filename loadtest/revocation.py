@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.keystore import as_url, scratch_database
 from loadtest.measure import WrkStream, find_wrk
 from loadtest.phase import describe, rsa_sign_us
 from loadtest.targets import Cryptd
@@ -231,15 +232,9 @@ def probe_round(lanes: list[Lane], n: int) -> RoundResult:
 
 @contextlib.contextmanager
 def database(admin_url: str) -> Iterator[str]:
-    import psycopg
-
-    name = f"cryptd_revocation_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield admin_url.rsplit("/", 1)[0] + "/" + name
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    """A database of this run's own (dropped afterwards), as a ``postgresql://`` URL."""
+    with scratch_database(admin_url) as conninfo:
+        yield as_url(conninfo)
 
 
 @contextlib.contextmanager
