@@ -78,49 +78,53 @@ def two_workers(request: pytest.FixtureRequest) -> Server:
     return server
 
 
-def test_a_delete_is_in_force_on_the_sibling_when_answered(two_workers: Server) -> None:
-    server = two_workers
+def rounds(
+    server: Server, prefix: str, count: int = ROUNDS
+) -> Iterator[tuple[int, str, httpx.Client, httpx.Client]]:
+    """(round, key, acting worker's connection, the other's): each round a new key, created on
+    the acting worker and served by both before the round's change; the workers take turns."""
     with connections_to_every_worker(server, 2) as conns:
-        for n in range(ROUNDS):
+        for n in range(count):
             acting, other = (conns[0], conns[1]) if n % 2 == 0 else (conns[1], conns[0])
-            key = f"gone-{n}"
+            key = f"{prefix}-{n}"
             create(server, acting, key)
             known_everywhere(server, conns, key)
-            deleted = server.request("DELETE", f"/v1/keys/{key}", connection=acting)
-            assert deleted.status_code == 204, deleted.text
-            # At once, on the worker that did not answer the delete:
-            refused = encrypt(server, other, key)
-            assert refused.status_code == 404, (n, refused.text)
-            assert refused.json()["error"]["code"] == "key_not_found"
-            backup = server.request("GET", f"/v1/keys/{key}/backup", connection=other)
-            assert backup.status_code == 404, (n, backup.text)
-            assert propagation(deleted)["confirmed"] == propagation(deleted)["replicas"] == "1"
-            described = server.request("GET", f"/v1/keys/{key}", connection=other)
-            assert described.status_code == 404, (n, described.text)
-            listed = server.request("GET", "/v1/keys", connection=other).json()["keys"]
-            assert key not in {k["name"] for k in listed}
+            yield n, key, acting, other
+
+
+def test_a_delete_is_in_force_on_the_sibling_when_answered(two_workers: Server) -> None:
+    server = two_workers
+    for n, key, acting, other in rounds(server, "gone"):
+        deleted = server.request("DELETE", f"/v1/keys/{key}", connection=acting)
+        assert deleted.status_code == 204, deleted.text
+        # At once, on the worker that did not answer the delete:
+        refused = encrypt(server, other, key)
+        assert refused.status_code == 404, (n, refused.text)
+        assert refused.json()["error"]["code"] == "key_not_found"
+        backup = server.request("GET", f"/v1/keys/{key}/backup", connection=other)
+        assert backup.status_code == 404, (n, backup.text)
+        assert propagation(deleted)["confirmed"] == propagation(deleted)["replicas"] == "1"
+        described = server.request("GET", f"/v1/keys/{key}", connection=other)
+        assert described.status_code == 404, (n, described.text)
+        listed = server.request("GET", "/v1/keys", connection=other).json()["keys"]
+        assert key not in {k["name"] for k in listed}
 
 
 def test_a_disable_is_in_force_on_the_sibling_when_answered(two_workers: Server) -> None:
     server = two_workers
-    with connections_to_every_worker(server, 2) as conns:
-        for n in range(ROUNDS):
-            acting, other = (conns[0], conns[1]) if n % 2 == 0 else (conns[1], conns[0])
-            key = f"off-{n}"
-            create(server, acting, key)
-            known_everywhere(server, conns, key)
-            token = encrypt(server, other, key).json()["ciphertext"]
-            patched = server.request(
-                "PATCH", f"/v1/keys/{key}", {"state": "disabled"}, connection=acting
-            )
-            assert patched.status_code == 200, patched.text
-            for op, body in (
-                ("encrypt", {"plaintext": PLAINTEXT}),
-                ("decrypt", {"ciphertext": token}),
-            ):
-                refused = server.request("POST", f"/v1/{op}/{key}", body, connection=other)
-                assert refused.status_code == 409, (n, op, refused.text)
-                assert refused.json()["error"]["code"] == "key_disabled"
+    for n, key, acting, other in rounds(server, "off"):
+        token = encrypt(server, other, key).json()["ciphertext"]
+        patched = server.request(
+            "PATCH", f"/v1/keys/{key}", {"state": "disabled"}, connection=acting
+        )
+        assert patched.status_code == 200, patched.text
+        for op, body in (
+            ("encrypt", {"plaintext": PLAINTEXT}),
+            ("decrypt", {"ciphertext": token}),
+        ):
+            refused = server.request("POST", f"/v1/{op}/{key}", body, connection=other)
+            assert refused.status_code == 409, (n, op, refused.text)
+            assert refused.json()["error"]["code"] == "key_disabled"
 
 
 def test_what_decrypt_only_and_a_raised_floor_take_away_is_refused_at_once(
