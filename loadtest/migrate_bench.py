@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptd_client import CryptdClient
 from loadtest.procstat import CpuWindow, PeakRss, others_load
 from loadtest.targets import Cryptd
-from service.client import CryptdClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN = "host=127.0.0.1 port=5432 user=postgres dbname=test"

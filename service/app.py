@@ -33,7 +33,6 @@ from service.auth.setup import build_auth
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.edge.protocol import REJECTION_HOOK
-from service.engine import Observer
 from service.keys.board import Board
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
@@ -43,13 +42,14 @@ from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
 from service.metrics import Metrics
 from service.metrics.middleware import TimingMiddleware
+from service.operations import Observer
 from service.pool import InFlight, make_executor
 from service.pool.base import Executor
 from service.pool.lag import LoopLag
+from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
 from service.usage.recorder import UsageRecorder
 from service.usage.store import open_usage_store
-from service.worker import init_worker
 
 log = logging.getLogger("cryptd")
 

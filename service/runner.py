@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
-from service import engine, worker
-from service.engine import Item, Observer, OpName, Outcome
+from service import operations, pool_tasks
 from service.errors import KeyNotFound, Overloaded
 from service.keys.keyring import Key, Keyring
 from service.keys.manager import KeyManager
 from service.keys.watch import KeyringWatcher
+from service.operations import Item, Observer, OpName, Outcome
 from service.pool.base import Executor
 from service.usage.recorder import UsageRecorder
 
@@ -85,7 +85,7 @@ class CryptoRunner:
 
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
         keyring, key = await self.key(name)
-        engine.check_operation(key, op)
+        operations.check_operation(key, op)
         if not items:
             return []
         results = await self._dispatch(keyring, key, op, name, items)
@@ -121,13 +121,13 @@ class CryptoRunner:
         executor = self._executors[key.type.name]
         results: list[Outcome]
         if len(items) == 1 and (executor.kind == "inline" or key.type.name in self._single_inline):
-            return engine.run_items(keyring, key, op, items, self._observer)
+            return operations.run_items(keyring, key, op, items, self._observer)
         if executor.kind == "sliced":
             # One item per call: the slice is measured in items, whatever the batch.
             results = []
             for item in items:
                 results += await executor.run(
-                    engine.run_items, keyring, key, op, [item], self._observer
+                    operations.run_items, keyring, key, op, [item], self._observer
                 )
             return results
         size = self._chunk_size
@@ -137,15 +137,16 @@ class CryptoRunner:
             for index, chunk in enumerate(chunks):
                 if index:
                     await asyncio.sleep(0)
-                results += engine.run_items(keyring, key, op, chunk, self._observer)
+                results += operations.run_items(keyring, key, op, chunk, self._observer)
             return results
         if executor.kind == "process":
             tasks = [
-                executor.run(worker.run_chunk, keyring.digest, op, name, chunk) for chunk in chunks
+                executor.run(pool_tasks.run_chunk, keyring.digest, op, name, chunk)
+                for chunk in chunks
             ]
         else:
             tasks = [
-                executor.run(engine.run_batch, keyring, op, name, chunk, self._observer)
+                executor.run(operations.run_batch, keyring, op, name, chunk, self._observer)
                 for chunk in chunks
             ]
         try:

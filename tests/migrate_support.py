@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.client import CryptdClient, DecryptResult
+from cryptd_client import CryptdClient, DecryptResult
 from tests.conftest import Server
 
 

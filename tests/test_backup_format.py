@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from service import engine
+from service import operations
 from service.errors import Conflict, InvalidRequest
 from service.keys import backup
 from service.keys.manager import KeyManager, create_keyring_file
@@ -80,8 +80,8 @@ def test_cryptd_opens_the_vector_and_the_restored_key_decrypts_section_5(tmp_pat
     assert restored.latest_version == 1
     assert restored.created_at == "2025-01-01T00:00:00Z"
     aes = TOKENS["aes256-gcm"]
-    (outcome,) = engine.run_batch(
-        manager.keyring, "decrypt", "doc-aes", [engine.DecryptItem(aes["token"], h(aes["aad"]))]
+    (outcome,) = operations.run_batch(
+        manager.keyring, "decrypt", "doc-aes", [operations.DecryptItem(aes["token"], h(aes["aad"]))]
     )
     assert isinstance(outcome, dict), outcome
     assert base64.b64decode(outcome["plaintext"]) == h(aes["plaintext"])
@@ -129,9 +129,9 @@ def test_round_trip_every_field_and_every_refusal(tmp_path: Path) -> None:
     with pytest.raises(Conflict):
         target.restore("k", blob)
     # Equal convergent tokens on both sides: the same material, the same derivation.
-    item = engine.EncryptItem(b"4111", context=b"cards")
-    (a,) = engine.run_batch(source.keyring, "encrypt", "k", [item])
-    (b,) = engine.run_batch(target.keyring, "encrypt", "k", [item])
+    item = operations.EncryptItem(b"4111", context=b"cards")
+    (a,) = operations.run_batch(source.keyring, "encrypt", "k", [item])
+    (b,) = operations.run_batch(target.keyring, "encrypt", "k", [item])
     assert a == b
     # A second backup of the same key differs (fresh nonce) but restores the same key.
     assert source.backup("k") != blob

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from service import engine
+from service import operations
 from service.cli import main
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
@@ -98,11 +98,11 @@ def test_keys_create_imports_hex_as_documented(
     assert status == 0, err
     assert created["name"] == vector["name"]
     # The imported key is the documented one: it opens docs/FORMAT.md's token.
-    (outcome,) = engine.run_batch(
+    (outcome,) = operations.run_batch(
         load(keyring).keyring,
         "decrypt",
         vector["name"],
-        [engine.DecryptItem(vector["token"], bytes.fromhex(vector["aad"]))],
+        [operations.DecryptItem(vector["token"], bytes.fromhex(vector["aad"]))],
     )
     assert isinstance(outcome, dict)
     assert base64.b64decode(outcome["plaintext"]) == bytes.fromhex(vector["plaintext"])
@@ -119,7 +119,9 @@ def test_keys_create_imports_hex_as_documented(
                           "--import", str(tmp_path / "raw.bin")], capsys)  # fmt: skip
     assert status == 0, err
     manager = load(keyring)
-    (tag,) = engine.run_batch(manager.keyring, "hmac", "plain-tags", [engine.HmacItem(b"m")])
+    (tag,) = operations.run_batch(
+        manager.keyring, "hmac", "plain-tags", [operations.HmacItem(b"m")]
+    )
     assert isinstance(tag, dict)
     expected = hmac.new(raw, b"m", hashlib.sha256).digest()
     assert tag["mac"] == "cryptd:v1:" + base64.urlsafe_b64encode(expected).rstrip(b"=").decode()

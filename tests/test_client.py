@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from service.cli import main
-from service.client import (
+from cryptd_client import (
     AsyncCryptdClient,
     ConflictError,
     CryptdAPIError,
@@ -29,6 +28,7 @@ from service.client import (
     UnauthenticatedError,
     api_error,
 )
+from service.cli import main
 from tests.test_auth_support import FakeService, Server, free_port, make_app, standard_clients
 
 

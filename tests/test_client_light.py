@@ -82,9 +82,6 @@ def test_the_server_signs_with_the_client_implementation() -> None:
     from service.auth import signature
 
     assert signature.sign_request is sign_request
-    import service.client
-
-    assert service.client.CryptdClient is CryptdClient
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.client import ConflictError, CryptdClient
+from cryptd_client import ConflictError, CryptdClient
 from service.edge.devcerts import Issued, issue, make_ca
 from tests.test_k8s_support import (
     IN_CI,

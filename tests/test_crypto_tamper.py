@@ -23,7 +23,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from service import engine
+from service import operations
 from service.crypto.registry import KEY_TYPES, KEY_TYPES_BY_ID
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
 from service.keys.document import KeyringDocument, canonical
@@ -75,11 +75,13 @@ def load_file(path: Path, master: MasterKey) -> Keyring:
     return KeyManager(path, master).load()
 
 
-def run(ring: Ring, op: engine.OpName, name: str, *items: engine.Item) -> list[engine.Outcome]:
-    return engine.run_batch(ring.keyring, op, name, items)
+def run(
+    ring: Ring, op: operations.OpName, name: str, *items: operations.Item
+) -> list[operations.Outcome]:
+    return operations.run_batch(ring.keyring, op, name, items)
 
 
-def ok(outcome: engine.Outcome) -> engine.Result:
+def ok(outcome: operations.Outcome) -> operations.Result:
     assert isinstance(outcome, dict), f"expected a result, got {outcome!r}"
     return outcome
 
@@ -91,18 +93,18 @@ def encrypt(
     aad: bytes = AAD,
     version: int | None = None,
 ) -> str:
-    (outcome,) = run(ring, "encrypt", name, engine.EncryptItem(plaintext, aad, version))
+    (outcome,) = run(ring, "encrypt", name, operations.EncryptItem(plaintext, aad, version))
     ciphertext = ok(outcome)["ciphertext"]
     assert isinstance(ciphertext, str)
     return ciphertext
 
 
-def decrypt(ring: Ring, name: str, ciphertext: str, aad: bytes = AAD) -> engine.Outcome:
-    (outcome,) = run(ring, "decrypt", name, engine.DecryptItem(ciphertext, aad))
+def decrypt(ring: Ring, name: str, ciphertext: str, aad: bytes = AAD) -> operations.Outcome:
+    (outcome,) = run(ring, "decrypt", name, operations.DecryptItem(ciphertext, aad))
     return outcome
 
 
-def plaintext_of(outcome: engine.Outcome) -> bytes:
+def plaintext_of(outcome: operations.Outcome) -> bytes:
     return base64.b64decode(ok(outcome)["plaintext"])
 
 
@@ -118,7 +120,7 @@ def join(version: int, data: bytes) -> str:
     return f"cryptd:v{version}:" + base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def assert_all_failed(outcomes: Iterable[engine.Outcome]) -> None:
+def assert_all_failed(outcomes: Iterable[operations.Outcome]) -> None:
     """Each outcome is decryption_failed, with the one fixed message."""
     outcomes = list(outcomes)
     assert outcomes
@@ -126,7 +128,9 @@ def assert_all_failed(outcomes: Iterable[engine.Outcome]) -> None:
         assert isinstance(outcome, DecryptionFailed), f"expected decryption_failed: {outcome!r}"
         assert outcome.code == "decryption_failed"
         assert outcome.message == FAILED.message == str(outcome)
-    entries = {json.dumps(engine.error_entry(o)) for o in outcomes if isinstance(o, CryptdError)}
+    entries = {
+        json.dumps(operations.error_entry(o)) for o in outcomes if isinstance(o, CryptdError)
+    }
     assert entries == {
         json.dumps({"error": {"code": "decryption_failed", "message": FAILED.message}})
     }
@@ -209,9 +213,9 @@ def test_every_region_of_the_token_is_authenticated(ring: Ring, type_name: str) 
     version, data = split(ciphertext)
     assert (version, data[0], data[1]) == (1, 1, KEY_TYPES[type_name].type_id)
     damaged = tampered_bodies(type_name, data)
-    items = [engine.DecryptItem(join(version, body), AAD) for body in damaged.values()]
+    items = [operations.DecryptItem(join(version, body), AAD) for body in damaged.values()]
     # The intact token rides in the same batch: one bad item never fails the others.
-    outcomes = run(ring, "decrypt", name, *items, engine.DecryptItem(ciphertext, AAD))
+    outcomes = run(ring, "decrypt", name, *items, operations.DecryptItem(ciphertext, AAD))
     assert plaintext_of(outcomes[-1]) == PLAINTEXT
     for label, outcome in zip(damaged, outcomes[:-1], strict=True):
         assert isinstance(outcome, DecryptionFailed), f"{type_name} {label}: {outcome!r}"
@@ -302,13 +306,19 @@ def test_rotation_and_version_prefix(ring: Ring, type_name: str) -> None:
     assert old.startswith("cryptd:v1:")
     key = ring.manager.rotate(name)
     assert key.latest_version == 2
-    (outcome,) = run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD))
+    (outcome,) = run(ring, "encrypt", name, operations.EncryptItem(PLAINTEXT, AAD))
     assert ok(outcome)["key_version"] == 2
     new = ok(outcome)["ciphertext"]
     assert new.startswith("cryptd:v2:")
     # Old tokens still decrypt, and say which version they used.
-    assert ok(decrypt(ring, name, old)) == {"plaintext": engine.b64(PLAINTEXT), "key_version": 1}
-    assert ok(decrypt(ring, name, new)) == {"plaintext": engine.b64(PLAINTEXT), "key_version": 2}
+    assert ok(decrypt(ring, name, old)) == {
+        "plaintext": operations.b64(PLAINTEXT),
+        "key_version": 1,
+    }
+    assert ok(decrypt(ring, name, new)) == {
+        "plaintext": operations.b64(PLAINTEXT),
+        "key_version": 2,
+    }
     # Relabelling a body with the other version's prefix fails: the version is bound.
     (_, old_data), (_, new_data) = split(old), split(new)
     assert_all_failed(
@@ -330,9 +340,9 @@ def test_min_decryption_version_and_missing_versions(ring: Ring, type_name: str)
     ring.manager.update(name, min_decryption_version=2)
     refused = [
         decrypt(ring, name, old),
-        *run(ring, "rewrap", name, engine.RewrapItem(old, AAD)),
-        *run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD, key_version=1)),
-        *run(ring, "decrypt", name, engine.DecryptItem(new, AAD, key_version=1)),
+        *run(ring, "rewrap", name, operations.RewrapItem(old, AAD)),
+        *run(ring, "encrypt", name, operations.EncryptItem(PLAINTEXT, AAD, key_version=1)),
+        *run(ring, "decrypt", name, operations.DecryptItem(new, AAD, key_version=1)),
     ]
     for outcome in refused:
         assert isinstance(outcome, InvalidRequest), outcome
@@ -344,7 +354,7 @@ def test_min_decryption_version_and_missing_versions(ring: Ring, type_name: str)
     missing = [
         decrypt(ring, name, join(3, data)),
         decrypt(ring, name, join(MAX_KEY_VERSION, data)),
-        *run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD, key_version=7)),
+        *run(ring, "encrypt", name, operations.EncryptItem(PLAINTEXT, AAD, key_version=7)),
     ]
     for outcome in missing:
         assert isinstance(outcome, KeyNotFound), outcome
@@ -352,7 +362,7 @@ def test_min_decryption_version_and_missing_versions(ring: Ring, type_name: str)
     beyond = [
         decrypt(ring, name, join(MAX_KEY_VERSION + 1, data)),
         decrypt(ring, name, join(9_999_999_999, data)),
-        *run(ring, "encrypt", name, engine.EncryptItem(PLAINTEXT, AAD, key_version=2**63)),
+        *run(ring, "encrypt", name, operations.EncryptItem(PLAINTEXT, AAD, key_version=2**63)),
     ]
     for outcome in beyond:
         assert isinstance(outcome, InvalidRequest), outcome
@@ -362,9 +372,13 @@ def test_min_decryption_version_and_missing_versions(ring: Ring, type_name: str)
 
 def test_key_version_that_contradicts_the_token_is_refused(ring: Ring) -> None:
     ciphertext = encrypt(ring, "a-aes256-gcm")
-    (outcome,) = run(ring, "decrypt", "a-aes256-gcm", engine.DecryptItem(ciphertext, AAD, None, 2))
+    (outcome,) = run(
+        ring, "decrypt", "a-aes256-gcm", operations.DecryptItem(ciphertext, AAD, None, 2)
+    )
     assert isinstance(outcome, InvalidRequest)
-    (outcome,) = run(ring, "decrypt", "a-aes256-gcm", engine.DecryptItem(ciphertext, AAD, None, 1))
+    (outcome,) = run(
+        ring, "decrypt", "a-aes256-gcm", operations.DecryptItem(ciphertext, AAD, None, 1)
+    )
     assert plaintext_of(outcome) == PLAINTEXT
 
 
@@ -377,13 +391,13 @@ def test_rewrap_to_latest_version(ring: Ring, type_name: str) -> None:
     ring.manager.create(name, type_name)
     old = encrypt(ring, name)
     ring.manager.rotate(name)
-    (outcome,) = run(ring, "rewrap", name, engine.RewrapItem(old, AAD))
+    (outcome,) = run(ring, "rewrap", name, operations.RewrapItem(old, AAD))
     result = ok(outcome)
     assert result["key_version"] == 2
     assert result["ciphertext"].startswith("cryptd:v2:")
     assert set(result) == {"ciphertext", "key_version"}  # the plaintext never leaves
     assert plaintext_of(decrypt(ring, name, result["ciphertext"])) == PLAINTEXT
-    assert_all_failed(run(ring, "rewrap", name, engine.RewrapItem(old, b"other aad")))
+    assert_all_failed(run(ring, "rewrap", name, operations.RewrapItem(old, b"other aad")))
 
 
 @pytest.mark.parametrize("source", TYPES)
@@ -391,21 +405,29 @@ def test_rewrap_to_another_key(ring: Ring, source: str) -> None:
     ciphertext = encrypt(ring, f"a-{source}")
     for target_type in TYPES:
         target = f"b-{target_type}"
-        (outcome,) = run(ring, "rewrap", f"a-{source}", engine.RewrapItem(ciphertext, AAD, target))
+        (outcome,) = run(
+            ring, "rewrap", f"a-{source}", operations.RewrapItem(ciphertext, AAD, target)
+        )
         moved = ok(outcome)["ciphertext"]
         assert split(moved)[1][1] == KEY_TYPES[target_type].type_id
         assert plaintext_of(decrypt(ring, target, moved)) == PLAINTEXT
         assert_all_failed([decrypt(ring, f"a-{source}", moved), decrypt(ring, target, ciphertext)])
-    (unknown,) = run(ring, "rewrap", f"a-{source}", engine.RewrapItem(ciphertext, AAD, "nope"))
+    (unknown,) = run(ring, "rewrap", f"a-{source}", operations.RewrapItem(ciphertext, AAD, "nope"))
     assert isinstance(unknown, KeyNotFound)
-    (signing,) = run(ring, "rewrap", f"a-{source}", engine.RewrapItem(ciphertext, AAD, "sig-ecdsa"))
+    (signing,) = run(
+        ring, "rewrap", f"a-{source}", operations.RewrapItem(ciphertext, AAD, "sig-ecdsa")
+    )
     assert isinstance(signing, InvalidRequest)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_datakey_decrypts_back(ring: Ring, type_name: str) -> None:
     name = f"a-{type_name}"
-    items = [engine.DatakeyItem(128, AAD), engine.DatakeyItem(256, AAD), engine.DatakeyItem()]
+    items = [
+        operations.DatakeyItem(128, AAD),
+        operations.DatakeyItem(256, AAD),
+        operations.DatakeyItem(),
+    ]
     results = [ok(o) for o in run(ring, "datakey", name, *items)]
     for item, result, size in zip(items, results, (16, 32, 32), strict=True):
         data_key = base64.b64decode(result["plaintext"])
@@ -414,7 +436,7 @@ def test_datakey_decrypts_back(ring: Ring, type_name: str) -> None:
         assert plaintext_of(decrypt(ring, name, result["ciphertext"], aad=item.aad)) == data_key
     assert len({r["plaintext"] for r in results}) == 3  # fresh keys
     assert_all_failed([decrypt(ring, name, results[0]["ciphertext"], aad=b"")])
-    (bad,) = run(ring, "datakey", name, engine.DatakeyItem(192))
+    (bad,) = run(ring, "datakey", name, operations.DatakeyItem(192))
     assert isinstance(bad, InvalidRequest)
 
 
@@ -576,7 +598,7 @@ def test_decryption_errors_carry_no_detail(ring: Ring) -> None:
     """Every failure path yields the same error object shape: nothing to tell them apart."""
     ciphertext = encrypt(ring, "a-rsa-2048")
     version, data = split(ciphertext)
-    samples: Sequence[engine.Outcome] = [
+    samples: Sequence[operations.Outcome] = [
         decrypt(ring, "a-rsa-2048", join(version, flipped(data, 0, 1))),  # format byte
         decrypt(ring, "a-rsa-2048", join(version, flipped(data, 10, 1))),  # OAEP
         decrypt(ring, "a-rsa-2048", join(version, flipped(data, len(data) - 1, 1))),  # GCM tag
@@ -585,7 +607,7 @@ def test_decryption_errors_carry_no_detail(ring: Ring) -> None:
         decrypt(ring, "a-aes256-gcm", ciphertext),
     ]
     assert_all_failed(samples)
-    entries = {json.dumps(engine.error_entry(o)) for o in samples if isinstance(o, CryptdError)}
+    entries = {json.dumps(operations.error_entry(o)) for o in samples if isinstance(o, CryptdError)}
     assert entries == {
         json.dumps({"error": {"code": "decryption_failed", "message": FAILED.message}})
     }

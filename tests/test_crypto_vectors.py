@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from service import engine
+from service import operations
 from service.crypto.aead import NONCE_SIZE, TAG_SIZE, AesGcm, Sm4Gcm
 from service.crypto.base import InvalidCiphertext, KeyHandle, SignOptions
 from service.crypto.ecdsa import EcdsaKey, der_to_raw
@@ -334,12 +334,12 @@ def test_wycheproof_rsa_oaep_through_engine(tmp_path: Path) -> None:
     valid = [t for t in OAEP_GROUP["tests"] if t["result"] == "valid"][:3]
     invalid = [t for t in OAEP_GROUP["tests"] if t["result"] == "invalid"][:3]
     items = [
-        engine.DecryptItem(ciphertext=engine.b64(h(t["ct"])), format="rsa-oaep-sha256")
+        operations.DecryptItem(ciphertext=operations.b64(h(t["ct"])), format="rsa-oaep-sha256")
         for t in valid + invalid
     ]
-    results = engine.run_batch(manager.keyring, "decrypt", "wp", items)
+    results = operations.run_batch(manager.keyring, "decrypt", "wp", items)
     for test, result in zip(valid, results[: len(valid)], strict=True):
-        assert result == {"plaintext": engine.b64(h(test["msg"])), "key_version": 1}
+        assert result == {"plaintext": operations.b64(h(test["msg"])), "key_version": 1}
     for result in results[len(valid) :]:
         assert isinstance(result, DecryptionFailed)
 

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from service import engine
+from service import operations
 from service.crypto.registry import KEY_TYPES
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
 from service.keys.manager import KeyManager
@@ -159,33 +159,37 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> KeyManager:
     return manager
 
 
-def one(manager: KeyManager, op: engine.OpName, name: str, item: engine.Item) -> engine.Outcome:
-    (outcome,) = engine.run_batch(manager.keyring, op, name, [item])
+def one(
+    manager: KeyManager, op: operations.OpName, name: str, item: operations.Item
+) -> operations.Outcome:
+    (outcome,) = operations.run_batch(manager.keyring, op, name, [item])
     return outcome
 
 
-def ok(outcome: engine.Outcome) -> dict[str, Any]:
+def ok(outcome: operations.Outcome) -> dict[str, Any]:
     assert isinstance(outcome, dict), repr(outcome)
     return outcome
 
 
-def error(outcome: engine.Outcome, kind: type[CryptdError], text: str = "") -> None:
+def error(outcome: operations.Outcome, kind: type[CryptdError], text: str = "") -> None:
     assert isinstance(outcome, kind), repr(outcome)
     assert text in outcome.message
 
 
 def test_engine_mac_is_the_documented_tag(manager: KeyManager) -> None:
     hv = VECTORS["hmac-sha256"]
-    result = ok(one(manager, "hmac", hv["name"], engine.HmacItem(h(hv["message"]))))
+    result = ok(one(manager, "hmac", hv["name"], operations.HmacItem(h(hv["message"]))))
     assert result == {"mac": hv["mac"], "key_version": 3}
-    verified = one(manager, "verify", hv["name"], engine.MacVerifyItem(hv["mac"], h(hv["message"])))
+    verified = one(
+        manager, "verify", hv["name"], operations.MacVerifyItem(hv["mac"], h(hv["message"]))
+    )
     assert ok(verified) == {"valid": True}
 
 
 @pytest.mark.parametrize("name", ["convergent-aes256-gcm", "convergent-sm4-gcm"])
 def test_engine_convergent_token_is_the_documented_one(manager: KeyManager, name: str) -> None:
     v = VECTORS[name]
-    item = engine.EncryptItem(h(v["plaintext"]), h(v["aad"]), context=h(v["context"]))
+    item = operations.EncryptItem(h(v["plaintext"]), h(v["aad"]), context=h(v["context"]))
     assert ok(one(manager, "encrypt", v["name"], item))["ciphertext"] == v["token"]
 
 
@@ -194,9 +198,9 @@ def test_engine_convergent_token_is_the_documented_one(manager: KeyManager, name
 )
 def test_engine_decrypts_the_documented_tokens(manager: KeyManager, name: str) -> None:
     v = VECTORS[name]
-    item = engine.DecryptItem(v["token"], h(v["aad"]), context=h(v["context"]))
+    item = operations.DecryptItem(v["token"], h(v["aad"]), context=h(v["context"]))
     assert ok(one(manager, "decrypt", v["name"], item))["plaintext"] == b64(h(v["plaintext"]))
-    other = engine.DecryptItem(v["token"], h(v["aad"]), context=h(v["context"]) + b"x")
+    other = operations.DecryptItem(v["token"], h(v["aad"]), context=h(v["context"]) + b"x")
     error(one(manager, "decrypt", v["name"], other), DecryptionFailed)
 
 
@@ -206,40 +210,47 @@ def test_engine_decrypts_the_documented_tokens(manager: KeyManager, name: str) -
 def test_hmac_rotation_versions_and_min_version(tmp_path: Path) -> None:
     manager = new_manager(tmp_path)
     manager.create("h", "hmac-sha256")
-    first = ok(one(manager, "hmac", "h", engine.HmacItem(b"m")))
+    first = ok(one(manager, "hmac", "h", operations.HmacItem(b"m")))
     assert first["mac"].startswith("cryptd:v1:")
     manager.rotate("h")
-    second = ok(one(manager, "hmac", "h", engine.HmacItem(b"m")))
+    second = ok(one(manager, "hmac", "h", operations.HmacItem(b"m")))
     assert second["key_version"] == 2
     assert second["mac"] != first["mac"]
-    pinned = ok(one(manager, "hmac", "h", engine.HmacItem(b"m", key_version=1)))
+    pinned = ok(one(manager, "hmac", "h", operations.HmacItem(b"m", key_version=1)))
     assert pinned == first  # HMAC is deterministic
     for mac in (first["mac"], second["mac"]):
-        assert ok(one(manager, "verify", "h", engine.MacVerifyItem(mac, b"m"))) == {"valid": True}
+        assert ok(one(manager, "verify", "h", operations.MacVerifyItem(mac, b"m"))) == {
+            "valid": True
+        }
     # A v1 tag relabelled v2 does not verify.
     relabelled = first["mac"].replace("cryptd:v1:", "cryptd:v2:")
-    assert ok(one(manager, "verify", "h", engine.MacVerifyItem(relabelled, b"m")))["valid"] is False
-    mismatch = engine.MacVerifyItem(first["mac"], b"m", key_version=2)
+    assert (
+        ok(one(manager, "verify", "h", operations.MacVerifyItem(relabelled, b"m")))["valid"]
+        is False
+    )
+    mismatch = operations.MacVerifyItem(first["mac"], b"m", key_version=2)
     error(one(manager, "verify", "h", mismatch), InvalidRequest, "key_version does not match")
     manager.update("h", min_decryption_version=2)
     error(
-        one(manager, "verify", "h", engine.MacVerifyItem(first["mac"], b"m")),
+        one(manager, "verify", "h", operations.MacVerifyItem(first["mac"], b"m")),
         InvalidRequest,
         "below min_decryption_version",
     )
-    error(one(manager, "hmac", "h", engine.HmacItem(b"m", key_version=1)), InvalidRequest)
+    error(one(manager, "hmac", "h", operations.HmacItem(b"m", key_version=1)), InvalidRequest)
     future = first["mac"].replace("cryptd:v1:", "cryptd:v9:")
-    error(one(manager, "verify", "h", engine.MacVerifyItem(future, b"m")), KeyNotFound)
+    error(one(manager, "verify", "h", operations.MacVerifyItem(future, b"m")), KeyNotFound)
 
 
 def test_hmac_verify_tamper_is_false_never_an_error(manager: KeyManager) -> None:
-    mac = ok(one(manager, "hmac", "plain-hmac", engine.HmacItem(b"message")))["mac"]
+    mac = ok(one(manager, "hmac", "plain-hmac", operations.HmacItem(b"message")))["mac"]
     prefix, text = mac.rsplit(":", 1)
     tag = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     assert len(tag) == 64
 
     def verify(candidate: str, message: bytes = b"message") -> bool:
-        result = ok(one(manager, "verify", "plain-hmac", engine.MacVerifyItem(candidate, message)))
+        result = ok(
+            one(manager, "verify", "plain-hmac", operations.MacVerifyItem(candidate, message))
+        )
         return bool(result["valid"])
 
     def spell(data: bytes) -> str:
@@ -259,7 +270,7 @@ def test_hmac_verify_tamper_is_false_never_an_error(manager: KeyManager) -> None
     noncanonical = prefix + ":" + text[:-1] + alphabet[alphabet.index(last) ^ 1]
     assert verify(noncanonical) is False
     # Another key's MAC of the same message.
-    other = ok(one(manager, "hmac", "d-hmac", engine.HmacItem(b"message", context=b"t")))["mac"]
+    other = ok(one(manager, "hmac", "d-hmac", operations.HmacItem(b"message", context=b"t")))["mac"]
     assert verify(other) is False
 
 
@@ -275,7 +286,7 @@ def test_hmac_verify_tamper_is_false_never_an_error(manager: KeyManager) -> None
 )
 def test_malformed_mac_text_is_invalid_request(manager: KeyManager, mac: str, message: str) -> None:
     error(
-        one(manager, "verify", "plain-hmac", engine.MacVerifyItem(mac, b"m")),
+        one(manager, "verify", "plain-hmac", operations.MacVerifyItem(mac, b"m")),
         InvalidRequest,
         message,
     )
@@ -283,91 +294,97 @@ def test_malformed_mac_text_is_invalid_request(manager: KeyManager, mac: str, me
 
 def test_hmac_and_signature_fields_do_not_mix(manager: KeyManager) -> None:
     error(
-        one(manager, "verify", "plain-hmac", engine.VerifyItem(b"sig", b"m")),
+        one(manager, "verify", "plain-hmac", operations.VerifyItem(b"sig", b"m")),
         InvalidRequest,
         "verifies a 'mac'",
     )
     error(
-        one(manager, "verify", "sig-p384", engine.MacVerifyItem("cryptd:v1:AAAA", b"m")),
+        one(manager, "verify", "sig-p384", operations.MacVerifyItem("cryptd:v1:AAAA", b"m")),
         InvalidRequest,
         "'mac' applies to HMAC keys",
     )
     for op, item in (
-        ("encrypt", engine.EncryptItem(b"m")),
-        ("sign", engine.SignItem(b"m")),
-        ("datakey", engine.DatakeyItem()),
+        ("encrypt", operations.EncryptItem(b"m")),
+        ("sign", operations.SignItem(b"m")),
+        ("datakey", operations.DatakeyItem()),
     ):
         with pytest.raises(InvalidRequest, match="does not support"):
-            engine.run_batch(manager.keyring, op, "plain-hmac", [item])  # type: ignore[arg-type]
+            operations.run_batch(manager.keyring, op, "plain-hmac", [item])  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="does not support hmac"):
-        engine.run_batch(manager.keyring, "hmac", "plain-aes", [engine.HmacItem(b"m")])
+        operations.run_batch(manager.keyring, "hmac", "plain-aes", [operations.HmacItem(b"m")])
 
 
 # Derived keys ----------------------------------------------------------------------------------
 
 
 def encrypt(manager: KeyManager, name: str, plaintext: bytes, **fields: Any) -> str:
-    ciphertext = ok(one(manager, "encrypt", name, engine.EncryptItem(plaintext, **fields)))
+    ciphertext = ok(one(manager, "encrypt", name, operations.EncryptItem(plaintext, **fields)))
     return str(ciphertext["ciphertext"])
 
 
 def test_context_rules(manager: KeyManager) -> None:
     error(
-        one(manager, "encrypt", "plain-aes", engine.EncryptItem(b"m", context=b"t")),
+        one(manager, "encrypt", "plain-aes", operations.EncryptItem(b"m", context=b"t")),
         InvalidRequest,
         "'context' applies to derived keys only",
     )
     error(
-        one(manager, "hmac", "plain-hmac", engine.HmacItem(b"m", context=b"t")),
+        one(manager, "hmac", "plain-hmac", operations.HmacItem(b"m", context=b"t")),
         InvalidRequest,
         "'context' applies to derived keys only",
     )
     for name in ("d-aes", "c-aes"):
         error(
-            one(manager, "encrypt", name, engine.EncryptItem(b"m")),
+            one(manager, "encrypt", name, operations.EncryptItem(b"m")),
             InvalidRequest,
             "needs a 'context'",
         )
         error(
-            one(manager, "encrypt", name, engine.EncryptItem(b"m", context=b"")),
+            one(manager, "encrypt", name, operations.EncryptItem(b"m", context=b"")),
             InvalidRequest,
             "must not be empty",
         )
         error(
-            one(manager, "encrypt", name, engine.EncryptItem(b"m", context=b"x" * 1025)),
+            one(manager, "encrypt", name, operations.EncryptItem(b"m", context=b"x" * 1025)),
             InvalidRequest,
             "at most 1024 bytes",
         )
     token = encrypt(manager, "d-aes", b"m", context=b"x" * 1024)
     plain = encrypt(manager, "plain-aes", b"m")
-    error(one(manager, "decrypt", "d-aes", engine.DecryptItem(token)), InvalidRequest, "'context'")
     error(
-        one(manager, "decrypt", "plain-aes", engine.DecryptItem(plain, context=b"t")),
+        one(manager, "decrypt", "d-aes", operations.DecryptItem(token)), InvalidRequest, "'context'"
+    )
+    error(
+        one(manager, "decrypt", "plain-aes", operations.DecryptItem(plain, context=b"t")),
         InvalidRequest,
         "derived keys only",
     )
-    error(one(manager, "hmac", "d-hmac", engine.HmacItem(b"m")), InvalidRequest, "'context'")
+    error(one(manager, "hmac", "d-hmac", operations.HmacItem(b"m")), InvalidRequest, "'context'")
 
 
 def test_each_context_has_its_own_key(manager: KeyManager) -> None:
     a = encrypt(manager, "d-aes", b"secret", context=b"tenant-a")
     b = encrypt(manager, "d-aes", b"secret", context=b"tenant-b")
     assert a != b
-    ok_a = ok(one(manager, "decrypt", "d-aes", engine.DecryptItem(a, context=b"tenant-a")))
+    ok_a = ok(one(manager, "decrypt", "d-aes", operations.DecryptItem(a, context=b"tenant-a")))
     assert ok_a == {"plaintext": b64(b"secret"), "key_version": 1}
     for context in (b"tenant-b", b"tenant-a\x00", b"tenant-", b"Tenant-a"):
         error(
-            one(manager, "decrypt", "d-aes", engine.DecryptItem(a, context=context)),
+            one(manager, "decrypt", "d-aes", operations.DecryptItem(a, context=context)),
             DecryptionFailed,
         )
     # Random nonces: two encryptions of one plaintext in one context differ.
     assert encrypt(manager, "d-aes", b"secret", context=b"tenant-a") != a
-    tag_a = ok(one(manager, "hmac", "d-hmac", engine.HmacItem(b"m", context=b"tenant-a")))["mac"]
-    tag_b = ok(one(manager, "hmac", "d-hmac", engine.HmacItem(b"m", context=b"tenant-b")))["mac"]
+    tag_a = ok(one(manager, "hmac", "d-hmac", operations.HmacItem(b"m", context=b"tenant-a")))[
+        "mac"
+    ]
+    tag_b = ok(one(manager, "hmac", "d-hmac", operations.HmacItem(b"m", context=b"tenant-b")))[
+        "mac"
+    ]
     assert tag_a != tag_b
-    check = engine.MacVerifyItem(tag_a, b"m", context=b"tenant-b")
+    check = operations.MacVerifyItem(tag_a, b"m", context=b"tenant-b")
     assert ok(one(manager, "verify", "d-hmac", check)) == {"valid": False}
-    check = engine.MacVerifyItem(tag_a, b"m", context=b"tenant-a")
+    check = operations.MacVerifyItem(tag_a, b"m", context=b"tenant-a")
     assert ok(one(manager, "verify", "d-hmac", check)) == {"valid": True}
 
 
@@ -394,7 +411,7 @@ def test_convergent_is_deterministic_per_context_aad_and_version(tmp_path: Path,
     rotated = encrypt(manager, name, b"4111111111111111", context=b"cards")
     assert rotated != first
     assert rotated.startswith("cryptd:v2:")
-    old = ok(one(manager, "decrypt", name, engine.DecryptItem(first, context=b"cards")))
+    old = ok(one(manager, "decrypt", name, operations.DecryptItem(first, context=b"cards")))
     assert base64.b64decode(old["plaintext"]) == b"4111111111111111"
 
 
@@ -412,13 +429,13 @@ def flipped_tokens(token: str) -> list[str]:
 @pytest.mark.parametrize("name", ["d-aes", "c-aes", "c-sm4"])
 def test_every_damaged_derived_token_fails_alike(manager: KeyManager, name: str) -> None:
     token = encrypt(manager, name, b"tamper me", context=b"t", aad=b"a")
-    items = [engine.DecryptItem(t, b"a", context=b"t") for t in flipped_tokens(token)]
+    items = [operations.DecryptItem(t, b"a", context=b"t") for t in flipped_tokens(token)]
     items += [
-        engine.DecryptItem(token, b"b", context=b"t"),
-        engine.DecryptItem(token, b"", context=b"t"),
-        engine.DecryptItem(token[:-2], b"a", context=b"t"),
+        operations.DecryptItem(token, b"b", context=b"t"),
+        operations.DecryptItem(token, b"", context=b"t"),
+        operations.DecryptItem(token[:-2], b"a", context=b"t"),
     ]
-    outcomes = engine.run_batch(manager.keyring, "decrypt", name, items)
+    outcomes = operations.run_batch(manager.keyring, "decrypt", name, items)
     messages = set()
     for outcome in outcomes:
         assert isinstance(outcome, DecryptionFailed), outcome
@@ -426,10 +443,10 @@ def test_every_damaged_derived_token_fails_alike(manager: KeyManager, name: str)
     assert messages == {"decryption failed"}
     # The token under another derived key, and under a key of the same type that is not derived.
     other = "c-aes" if name == "d-aes" else "d-aes"
-    wrong = one(manager, "decrypt", other, engine.DecryptItem(token, b"a", context=b"t"))
+    wrong = one(manager, "decrypt", other, operations.DecryptItem(token, b"a", context=b"t"))
     assert isinstance(wrong, DecryptionFailed)
     if name != "c-sm4":
-        plain = one(manager, "decrypt", "plain-aes", engine.DecryptItem(token, b"a"))
+        plain = one(manager, "decrypt", "plain-aes", operations.DecryptItem(token, b"a"))
         assert isinstance(plain, DecryptionFailed)
 
 
@@ -445,18 +462,27 @@ def test_convergent_refuses_a_token_whose_nonce_is_not_the_computed_one(
     body = aead.seal(b"plaintext", ad)  # random nonce, valid tag
     assert aead.open(body, ad) == b"plaintext"
     token = doc_token(1, KEY_TYPES[manager.keyring.key(name).type.name].type_id, body)
-    error(one(manager, "decrypt", name, engine.DecryptItem(token, context=b"t")), DecryptionFailed)
+    error(
+        one(manager, "decrypt", name, operations.DecryptItem(token, context=b"t")), DecryptionFailed
+    )
     good = encrypt(manager, name, b"plaintext", context=b"t")
-    assert ok(one(manager, "decrypt", name, engine.DecryptItem(good, context=b"t")))
+    assert ok(one(manager, "decrypt", name, operations.DecryptItem(good, context=b"t")))
 
 
 def test_rewrap_and_datakey_with_contexts(manager: KeyManager) -> None:
     token = encrypt(manager, "d-aes", b"move me", context=b"t1", aad=b"a")
     # derived -> plain: the context opens the source only.
     moved = ok(
-        one(manager, "rewrap", "d-aes", engine.RewrapItem(token, b"a", "plain-aes", context=b"t1"))
+        one(
+            manager,
+            "rewrap",
+            "d-aes",
+            operations.RewrapItem(token, b"a", "plain-aes", context=b"t1"),
+        )
     )
-    back = ok(one(manager, "decrypt", "plain-aes", engine.DecryptItem(moved["ciphertext"], b"a")))
+    back = ok(
+        one(manager, "decrypt", "plain-aes", operations.DecryptItem(moved["ciphertext"], b"a"))
+    )
     assert base64.b64decode(back["plaintext"]) == b"move me"
     # plain -> convergent: the context seals the target.
     again = ok(
@@ -464,14 +490,14 @@ def test_rewrap_and_datakey_with_contexts(manager: KeyManager) -> None:
             manager,
             "rewrap",
             "plain-aes",
-            engine.RewrapItem(moved["ciphertext"], b"a", "c-aes", b"t2"),
+            operations.RewrapItem(moved["ciphertext"], b"a", "c-aes", b"t2"),
         )
     )
     assert again["ciphertext"] == encrypt(manager, "c-aes", b"move me", context=b"t2", aad=b"a")
     # derived -> itself keeps the context.
-    same = ok(one(manager, "rewrap", "d-aes", engine.RewrapItem(token, b"a", context=b"t1")))
+    same = ok(one(manager, "rewrap", "d-aes", operations.RewrapItem(token, b"a", context=b"t1")))
     opened = one(
-        manager, "decrypt", "d-aes", engine.DecryptItem(same["ciphertext"], b"a", context=b"t1")
+        manager, "decrypt", "d-aes", operations.DecryptItem(same["ciphertext"], b"a", context=b"t1")
     )
     assert base64.b64decode(ok(opened)["plaintext"]) == b"move me"
     error(
@@ -479,40 +505,44 @@ def test_rewrap_and_datakey_with_contexts(manager: KeyManager) -> None:
             manager,
             "rewrap",
             "plain-aes",
-            engine.RewrapItem(moved["ciphertext"], b"a", context=b"t"),
+            operations.RewrapItem(moved["ciphertext"], b"a", context=b"t"),
         ),
         InvalidRequest,
         "neither key is derived",
     )
     error(
-        one(manager, "rewrap", "d-aes", engine.RewrapItem(token, b"a")), InvalidRequest, "'context'"
+        one(manager, "rewrap", "d-aes", operations.RewrapItem(token, b"a")),
+        InvalidRequest,
+        "'context'",
     )
     wrapped = ok(
-        one(manager, "datakey", "d-aes", engine.DatakeyItem(plaintext=False, context=b"t"))
+        one(manager, "datakey", "d-aes", operations.DatakeyItem(plaintext=False, context=b"t"))
     )
     assert set(wrapped) == {"ciphertext", "key_version"}
-    full = ok(one(manager, "datakey", "d-aes", engine.DatakeyItem(bits=128, context=b"t")))
-    opened = one(manager, "decrypt", "d-aes", engine.DecryptItem(full["ciphertext"], context=b"t"))
+    full = ok(one(manager, "datakey", "d-aes", operations.DatakeyItem(bits=128, context=b"t")))
+    opened = one(
+        manager, "decrypt", "d-aes", operations.DecryptItem(full["ciphertext"], context=b"t")
+    )
     assert ok(opened)["plaintext"] == full["plaintext"]
     assert len(base64.b64decode(full["plaintext"])) == 16
 
 
 def test_datakey_without_plaintext_on_plain_keys(manager: KeyManager) -> None:
-    outcomes = engine.run_batch(
+    outcomes = operations.run_batch(
         manager.keyring,
         "datakey",
         "plain-aes",
         [
-            engine.DatakeyItem(plaintext=False),
-            engine.DatakeyItem(bits=128),
-            engine.DatakeyItem(bits=7),
+            operations.DatakeyItem(plaintext=False),
+            operations.DatakeyItem(bits=128),
+            operations.DatakeyItem(bits=7),
         ],
     )
     assert set(ok(outcomes[0])) == {"ciphertext", "key_version"}
     assert set(ok(outcomes[1])) == {"plaintext", "ciphertext", "key_version"}
     error(outcomes[2], InvalidRequest, "bits must be 128 or 256")
     dek = ok(
-        one(manager, "decrypt", "plain-aes", engine.DecryptItem(ok(outcomes[0])["ciphertext"]))
+        one(manager, "decrypt", "plain-aes", operations.DecryptItem(ok(outcomes[0])["ciphertext"]))
     )
     assert len(base64.b64decode(dek["plaintext"])) == 32
 
@@ -551,7 +581,7 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
     meta = reloaded.keyring.key("c").metadata()
     assert (meta["derived"], meta["convergent"]) == (True, True)
     assert (reloaded.keyring.key("p").metadata()["derived"]) is False
-    assert ok(one(reloaded, "decrypt", "c", engine.DecryptItem(token, context=b"t")))
+    assert ok(one(reloaded, "decrypt", "c", operations.DecryptItem(token, context=b"t")))
     raw = json.loads(manager.store.path.read_text())
     assert raw["keys"]["c"]["derived"] is True
     assert raw["keys"]["c"]["convergent"] is True
@@ -578,12 +608,12 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
 
 
 def test_batch_of_contexts_one_bad_item(manager: KeyManager) -> None:
-    items: list[engine.Item] = [
-        engine.EncryptItem(b"a", context=b"t1"),
-        engine.EncryptItem(b"b"),
-        engine.EncryptItem(b"c", context=b"t2"),
+    items: list[operations.Item] = [
+        operations.EncryptItem(b"a", context=b"t1"),
+        operations.EncryptItem(b"b"),
+        operations.EncryptItem(b"c", context=b"t2"),
     ]
-    outcomes = engine.run_batch(manager.keyring, "encrypt", "c-aes", items)
+    outcomes = operations.run_batch(manager.keyring, "encrypt", "c-aes", items)
     assert isinstance(outcomes[1], InvalidRequest)
     assert ok(outcomes[0])["ciphertext"] == encrypt(manager, "c-aes", b"a", context=b"t1")
     assert ok(outcomes[2])

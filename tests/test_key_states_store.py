@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from service import engine
+from service import operations
 from service.errors import KeyDisabled, KeyNotFound
 from service.keys.admin import initialise
 from service.keys.document import KeyRecord, MalformedDocument
@@ -59,8 +59,8 @@ def test_a_keyring_from_before_states_loads_with_every_key_enabled(tmp_path: Pat
     key = manager.load().key("doc-aes")
     assert (key.state, key.min_encryption_version, key.deletion_date) == ("enabled", 0, None)
     assert key.metadata()["state"] == "enabled"
-    item = engine.EncryptItem(b"still works")
-    (result,) = engine.run_batch(manager.keyring, "encrypt", "doc-aes", [item])
+    item = operations.EncryptItem(b"still works")
+    (result,) = operations.run_batch(manager.keyring, "encrypt", "doc-aes", [item])
     assert not isinstance(result, Exception)
     # A change elsewhere rewrites the document; the old key's record gains no field.
     manager.create("fresh", "aes256-gcm")
@@ -269,7 +269,7 @@ def test_states_survive_a_reload_in_another_process(backend: Store, master: Mast
     assert leaving.state == "pending_deletion"
     assert leaving.deletion_date is not None
     with pytest.raises(KeyDisabled, match="'retired' is disabled: decrypt is refused"):
-        engine.check_operation(retired, "decrypt")
+        operations.check_operation(retired, "decrypt")
     with pytest.raises(KeyDisabled, match="pending_deletion: verify is refused"):
         leaving.check_use("verify")
     restored = other.cancel_deletion("leaving")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from service.client import CryptdClient, DecryptResult
+from cryptd_client import CryptdClient, DecryptResult
 from tests.conftest import Server
 from tests.migrate_support import client, encrypt, migrate_command, new_key, run_migrate
 

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service.client import CryptdClient
+from cryptd_client import CryptdClient
 from service.migrate.checkpoint import CheckpointFile
-from service.migrate.engine import Migration, Options
 from service.migrate.failures import FailureLog
 from service.migrate.model import Page
+from service.migrate.rewrapping import Migration, Options
 from service.migrate.service import Rewrapper, preflight
 from service.migrate.source import Changes, Written
 from service.migrate.sql import SqlSource

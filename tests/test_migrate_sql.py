@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from service.client import CryptdClient
+from cryptd_client import CryptdClient
 from tests.conftest import Server, start_server, stop_server
 from tests.migrate_support import (
     Table,

@@ -23,13 +23,13 @@ from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
 from service.crypto.ed25519 import SODIUM_MAX_MESSAGE
-from service.engine import EncryptItem, SignItem
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
+from service.operations import EncryptItem, SignItem
 from service.pool import make_executor
 from service.pool.lag import LoopLag
+from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
-from service.worker import init_worker
 from tests.conftest import Server, start_server, stop_server
 from tests.test_token import new_manager
 

@@ -10,8 +10,8 @@ import pytest
 from pydantic import BaseModel
 
 from service.api import schemas
-from service.engine import DecryptItem, EncryptItem
 from service.errors import CryptdError
+from service.operations import DecryptItem, EncryptItem
 
 VALUES: list[Any] = ["AQID", "", "not base64!", 1, 2.0, 1.5, True, None, [], {}, 0, -3]
 

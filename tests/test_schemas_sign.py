@@ -9,8 +9,8 @@ import pytest
 
 from service.api.schemas import PARSERS
 from service.crypto.base import NO_OPTIONS
-from service.engine import SignItem
 from service.errors import InvalidRequest, SchemaError
+from service.operations import SignItem
 
 parse = PARSERS["sign"]
 

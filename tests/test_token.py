@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from service import engine
+from service import operations
 from service.config import decode_master_key
 from service.crypto.registry import KEY_TYPES
 from service.errors import DecryptionFailed, InvalidRequest
@@ -113,8 +113,8 @@ def imported(type_name: str, external: bytes) -> bytes:
 
 
 def engine_decrypt(manager: KeyManager, name: str, ciphertext: str, aad: bytes) -> bytes:
-    (outcome,) = engine.run_batch(
-        manager.keyring, "decrypt", name, [engine.DecryptItem(ciphertext, aad)]
+    (outcome,) = operations.run_batch(
+        manager.keyring, "decrypt", name, [operations.DecryptItem(ciphertext, aad)]
     )
     assert isinstance(outcome, dict), outcome
     return base64.b64decode(outcome["plaintext"])
@@ -291,8 +291,8 @@ def test_engine_decrypts_the_documented_aead_token(documented: KeyManager, type_
 def test_engine_tokens_open_by_the_document(documented: KeyManager, type_name: str) -> None:
     """The other direction: what the engine writes, the description alone decrypts."""
     vector = VECTORS[type_name]
-    item = engine.EncryptItem(b"written by the engine", b"aad")
-    (outcome,) = engine.run_batch(documented.keyring, "encrypt", vector["name"], [item])
+    item = operations.EncryptItem(b"written by the engine", b"aad")
+    (outcome,) = operations.run_batch(documented.keyring, "encrypt", vector["name"], [item])
     assert isinstance(outcome, dict)
     version, type_id, body = doc_parse(outcome["ciphertext"])
     assert (version, type_id) == (vector["version"], vector["type_id"])

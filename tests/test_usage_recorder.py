@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from service.engine import MacVerifyItem, RewrapItem, VerifyItem
 from service.keys.admin import initialise
 from service.keys.filestore import FileKeyStore
 from service.keys.keyring import Keyring
@@ -20,6 +19,7 @@ from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.pgstore import PostgresKeyStore
 from service.metrics.labels import KeyLabels
+from service.operations import MacVerifyItem, RewrapItem, VerifyItem
 from service.usage.postgres import PostgresUsageStore
 from service.usage.recorder import UsageRecorder, as_json
 from service.usage.sqlite import SqliteUsageStore

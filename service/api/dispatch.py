@@ -31,9 +31,9 @@ from typing import Any
 from service.api.errors import send_cryptd_error
 from service.asgi import ASGIApp, Receive, Scope, Send, request_id_of, route_path, send_error
 from service.auth.middleware import REFUSED, WANTED_HEADERS, SignatureAuthMiddleware, add_field
-from service.engine import OpName
 from service.errors import CryptdError, Overloaded
 from service.metrics.middleware import TimingMiddleware
+from service.operations import OpName
 from service.pool import InFlight
 
 log = logging.getLogger("cryptd.api")

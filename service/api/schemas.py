@@ -14,7 +14,10 @@ from service import b64
 from service.crypto.base import NO_OPTIONS, SignOptions
 from service.crypto.digests import HASHES
 from service.crypto.registry import KEY_TYPES
-from service.engine import (
+from service.errors import InvalidRequest, SchemaError
+from service.keys.keyring import SETTABLE_STATES
+from service.keys.manager import MAX_AUTO_ROTATE_PERIOD
+from service.operations import (
     DatakeyItem,
     DecryptItem,
     EncryptItem,
@@ -26,9 +29,6 @@ from service.engine import (
     SignItem,
     VerifyItem,
 )
-from service.errors import InvalidRequest, SchemaError
-from service.keys.keyring import SETTABLE_STATES
-from service.keys.manager import MAX_AUTO_ROTATE_PERIOD
 
 MAX_SIGNER_ID_BYTES = 255
 MAX_RANDOM_BYTES = 65536

@@ -126,7 +126,7 @@ def _migrate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"cryptd migrate needs {exc.name}: pip install 'cryptd[migrate]'"
         ) from None
-    from service.client import CryptdClient
+    from cryptd_client import CryptdClient
 
     credential = args.credential or default_credential()
 
@@ -139,10 +139,10 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, client: Any) -> int:
     from service.migrate.checkpoint import CheckpointFile
-    from service.migrate.engine import Migration, Options
     from service.migrate.failures import FailureLog
     from service.migrate.progress import ProgressDisplay
     from service.migrate.report import as_json, as_text
+    from service.migrate.rewrapping import Migration, Options
     from service.migrate.service import Rewrapper, preflight
 
     source_key, target_key, warnings = preflight(client, args.from_key, args.to_key)

@@ -12,6 +12,6 @@ it stopped. Layers, each one module:
 - :mod:`.service` the service side: preflight checks of the keys, rewrap, the probe that
   recognises rows already under the target key, verification;
 - :mod:`.checkpoint` and :mod:`.failures` the durable state of a run;
-- :mod:`.engine` the pipeline: read ahead, rewrap concurrently, commit in order;
+- :mod:`.rewrapping` the pipeline: read ahead, rewrap concurrently, commit in order;
 - :mod:`.progress` and :mod:`.report` what the operator sees.
 """

@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .engine import Result
+from .rewrapping import Result
 from .service import KeyInfo
 
 

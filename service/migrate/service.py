@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from service.client import (
+from cryptd_client import (
     CryptdAPIError,
     CryptdClient,
     CryptdConnectionError,

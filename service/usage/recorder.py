@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from service.engine import MacVerifyItem, OpName, RewrapItem, VerifyItem
 from service.errors import CryptdError
 from service.keys import token
 from service.keys.keyring import Key, Keyring
+from service.operations import MacVerifyItem, OpName, RewrapItem, VerifyItem
 from service.usage.store import OPERATIONS, Increment, UsageKey, UsageStore, UsageUnavailable
 
 log = logging.getLogger("cryptd.usage")

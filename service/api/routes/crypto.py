@@ -17,9 +17,9 @@ from service.api.schemas import PARSERS, parse_json_object
 from service.asgi import Scope
 from service.auth.clients import Client
 from service.auth.middleware import STATE_KEY, authorize, client_from_scope
-from service.engine import Item, OpName, Outcome, RewrapItem, error_entry, translate
 from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
 from service.keys.keyring import check_key_name
+from service.operations import Item, OpName, Outcome, RewrapItem, error_entry, translate
 
 router = APIRouter(prefix="/v1", tags=["crypto"])
 

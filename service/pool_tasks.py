@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from service import engine
-from service.engine import Item, Observer, OpName, Outcome
+from service import operations
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import open_store
+from service.operations import Item, Observer, OpName, Outcome
 
 
 class _WorkerState:
@@ -52,7 +52,7 @@ def run_chunk(digest: str, op: OpName, name: str, items: Sequence[Item]) -> list
     manager = _state.manager
     if manager.keyring.digest != digest:
         manager.refresh(force=True)
-    return engine.run_batch(manager.keyring, op, name, items, _state.observer)
+    return operations.run_batch(manager.keyring, op, name, items, _state.observer)
 
 
 def reload_keyring() -> None:
