@@ -77,15 +77,12 @@ async def _serve(port_file: Path, requests: int, tls_dir: Path | None) -> None:
 
     done = asyncio.Event()
     answered = 0
-    start = {
-        "type": "http.response.start",
-        "status": 200,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(BODY)).encode()),
-            (b"x-request-id", REQUEST_ID),
-        ],
-    }
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(BODY)).encode()),
+        (b"x-request-id", REQUEST_ID),
+    ]
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         nonlocal answered
@@ -94,7 +91,7 @@ async def _serve(port_file: Path, requests: int, tls_dir: Path | None) -> None:
             message = await receive()
             more = message.get("more_body", False)
         # A fresh message each time, as the dispatcher builds one per answer.
-        await send({**start, "headers": list(start["headers"])})
+        await send({**start, "headers": list(headers)})
         await send({"type": "http.response.body", "body": BODY})
         answered += 1
         if answered == requests:

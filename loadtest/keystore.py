@@ -37,6 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,12 @@ import orjson
 import psycopg
 
 from loadtest.measure import Measurement
+from loadtest.plan import Plan
+from loadtest.progress import log
 from loadtest.report import summarize
-from loadtest.run import Plan, Prepared, log, measure, quietly, redis_url
+from loadtest.sampling import Prepared, measure, quietly
 from loadtest.scenarios import BY_NAME
+from loadtest.servers import redis_url
 from loadtest.targets import Cryptd, check_response, prepare_body
 from service.auth.signature import sign_request
 
@@ -361,7 +365,7 @@ def backends(args: argparse.Namespace) -> int:
                 for target in order:
                     m = quietly(
                         plan,
-                        lambda t=target, s=scenario: measure(t, s, prepared, plan, plan.duration),
+                        partial(measure, target, scenario, prepared, plan, plan.duration),
                     )
                     runs[(scenario.name, target.name)].append(m)
                     log(f"round {round_no + 1} {scenario.name} {target.name}: {m.ops:,.0f} ops/s")

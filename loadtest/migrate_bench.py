@@ -81,10 +81,17 @@ class Database:
     kind: str
     url: str
 
-    def load(self, tokens: Sequence[str]) -> None: ...
-    def reset(self) -> None: ...
-    def under(self, type_id: int) -> int: ...
-    def close(self) -> None: ...
+    def load(self, tokens: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def under(self, type_id: int) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
 
 class SqliteDatabase(Database):

@@ -154,6 +154,9 @@ class PsycopgSync:
 
 class PsycopgAsync:
     name = "psycopg (async)"
+    conn: psycopg.AsyncConnection[Any]
+    listener: psycopg.AsyncConnection[Any]
+    counter: int
 
     @classmethod
     async def open(cls, url: str) -> PsycopgAsync:
@@ -197,6 +200,11 @@ class PsycopgAsync:
 
 class Asyncpg:
     name = "asyncpg"
+    # asyncpg is optional and untyped here: its connections are Any.
+    conn: Any
+    listener: Any
+    queue: asyncio.Queue[str]
+    counter: int
 
     @classmethod
     async def open(cls, url: str) -> Asyncpg:
@@ -212,7 +220,7 @@ class Asyncpg:
             schema="pg_catalog",
         )
         self.listener = await asyncpg.connect(url, server_settings=settings)
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
+        self.queue = asyncio.Queue()
         await self.listener.add_listener(CHANNEL, lambda *args: self.queue.put_nowait(args[-1]))
         self.counter = 30_000_000
         return self

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.measure import Measurement
-from loadtest.run import Plan, prepare
-from loadtest.run import measure as measure_target
+from loadtest.plan import Plan
+from loadtest.sampling import measure as measure_target
+from loadtest.sampling import prepare
 from loadtest.scenarios import BY_NAME
 from loadtest.targets import Cryptd
 

@@ -34,10 +34,14 @@ from typing import Final
 import orjson
 
 from loadtest.measure import Measurement
+from loadtest.plan import Plan
+from loadtest.progress import describe, log
 from loadtest.report import summarize
-from loadtest.run import RESULTS_DIR, Plan, describe, log, measure, prepare, quietly
+from loadtest.sampling import measure, prepare, quietly
 from loadtest.scenarios import BY_NAME
-from loadtest.targets import Cryptd, free_port
+from loadtest.servers import free_port
+from loadtest.session import RESULTS_DIR
+from loadtest.targets import Cryptd
 
 SCENARIOS: Final = ("aes-encrypt", "ecdsa-sign", "rsa-sign")
 CONFIGURATIONS: Final = ("1 worker, host store", "2 workers, host store", "2 workers, Redis")

@@ -28,22 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.measure import Measurement
+from loadtest.options import env_pair
+from loadtest.plan import Plan, make_plan, make_topology
+from loadtest.progress import describe, log
 from loadtest.report import MIX_GOAL, MIX_P99_GOAL
-from loadtest.run import (
-    Plan,
-    Prepared,
-    describe,
-    env_pair,
-    log,
-    make_plan,
-    make_topology,
-    measure,
-    measure_mix,
-    prepare,
-)
-from loadtest.run import (
-    parse_args as run_parse_args,
-)
+from loadtest.run import parse_args as run_parse_args
+from loadtest.sampling import Prepared, measure, measure_mix, prepare
 from loadtest.scenarios import BY_NAME, MIX_BY_NAME, Scenario
 from loadtest.targets import Cryptd, OpenBao
 

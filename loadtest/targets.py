@@ -9,7 +9,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -23,29 +22,12 @@ import httpx
 import orjson
 
 from loadtest.scenarios import OPENBAO_KEYS, Endpoint
+from loadtest.servers import free_port
 from service.auth.signature import sign_request
 
 STARTUP_TIMEOUT: Final = 60.0
 # The dev server's root token: a throw-away in-memory instance on loopback.
 OPENBAO_TOKEN: Final = "root"  # noqa: S105
-
-
-def free_port(pair: bool = False) -> int:
-    """A free loopback port; with ``pair``, one whose successor is free too (OpenBao's dev
-    mode binds its cluster listener on port + 1)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if not pair:
-            return port
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair")
 
 
 def pinned(command: list[str], cpus: frozenset[int] | None) -> list[str]:

@@ -1,9 +1,9 @@
 """TLS on against off in one run: cryptd, the bare-ASGI ceiling and OpenBao, each plain and over
 its own TLS, alternating, on the runner's pinned topology.
 
-    python -m loadtest.tls                                        # 10 s x 3 rounds per target
-    python -m loadtest.tls --update-readme --update-performance   # and rewrite the docs' tables
-    python -m loadtest.tls --quick                                # smoke run
+    python -m loadtest.tls              # 10 s x 3 rounds per target
+    python -m loadtest.tls --record     # and keep the summary as docs/results/DATE-tls.md
+    python -m loadtest.tls --quick      # smoke run
 
 Six servers run side by side on the server CPUs: cryptd plain and cryptd over TLS (``cryptd serve
 --dev`` and ``--dev --tls``, each in its own directory; signing, metrics and the audit log on),
@@ -21,49 +21,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import shutil
 import socket
 import ssl
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-import orjson
-
-from loadtest.measure import Measurement, find_wrk
-from loadtest.report import Summary, summarize
-from loadtest.run import (
-    CALIBRATION_DEFAULT,
-    CEILING_SCENARIO,
-    RESULTS_DIR,
-    AnyTarget,
-    Plan,
-    Prepared,
-    describe,
-    env_pair,
-    interpreter_of,
-    log,
-    machine,
-    make_topology,
-    measure,
-    prepare,
-    quietly,
-    replace_section,
-    reproduce_command,
-    served_by,
+from loadtest.campaign import CEILING_SCENARIO
+from loadtest.machine import interpreter_of, served_by
+from loadtest.measure import Measurement
+from loadtest.options import (
+    add_cryptd_env_option,
+    add_load_options,
+    add_output_options,
+    add_quiet_options,
+    add_topology_options,
 )
+from loadtest.plan import CALIBRATION_DEFAULT, Plan, make_topology
+from loadtest.progress import describe, log
+from loadtest.report import Summary, summarize
+from loadtest.sampling import AnyTarget, Prepared, measure, prepare, quietly
 from loadtest.scenarios import BY_NAME, SCENARIOS
+from loadtest.session import session, write_outputs, wrk_missing
 from loadtest.targets import Bare, Cryptd, OpenBao
 
-DOCS_BEGIN: Final = "<!-- loadtest.tls: begin -->"
-DOCS_END: Final = "<!-- loadtest.tls: end -->"
-ROOT: Final = Path(__file__).resolve().parent.parent
 KINDS: Final = ("cryptd", "bare", "openbao")
 LABELS: Final = {"cryptd": "cryptd", "bare": "bare ASGI", "openbao": "OpenBao"}
 
@@ -353,41 +337,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.tls", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run (3 s, 1 round)")
-    parser.add_argument("--duration", type=float, help="seconds per measurement (10; quick 3)")
-    parser.add_argument("--rounds", type=int, help="alternating rounds (3; quick 1)")
-    parser.add_argument("--connections", type=int, default=16, help="wrk connections (16)")
-    parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
+    add_load_options(parser, "smoke run (3 s, 1 round)")
     parser.add_argument(
         "--scenarios",
         help="comma-separated scenarios (default: every one OpenBao runs too; the bare-ASGI "
         f"ceiling is measured beside {CEILING_SCENARIO})",
     )
-    parser.add_argument("--shared-cores", action="store_true", help="do not pin (see loadtest.run)")
-    parser.add_argument("--client-cpus", help="CPUs of the load generator, e.g. 0")
-    parser.add_argument("--server-cpus", help="CPUs of every server, e.g. 1")
+    add_topology_options(parser)
     parser.add_argument("--workers", type=int, default=1, help="cryptd server workers (1)")
-    parser.add_argument(
-        "--cryptd-env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
-        help="extra environment for both cryptd servers (repeatable)",
-    )  # fmt: skip
+    add_cryptd_env_option(parser)
     parser.add_argument("--no-openbao", action="store_true", help="cryptd and the bare app only")
-    parser.add_argument(
-        "--quiet", type=float, default=0.25,
-        help="wait until other processes use at most this many cores (0.25; 0 = never wait)",
-    )  # fmt: skip
-    parser.add_argument("--quiet-wait", type=float, default=120.0, help="longest wait, s (120)")
-    parser.add_argument("--json", type=Path, help="JSON output (default loadtest/results/...)")
-    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
-    parser.add_argument(
-        "--update-readme", type=Path, nargs="?", const=ROOT / "README.md",
-        help="rewrite the TLS section of README.md (or of FILE)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--update-performance", type=Path, nargs="?", const=ROOT / "docs" / "PERFORMANCE.md",
-        help="rewrite the TLS section of docs/PERFORMANCE.md (or of FILE)",
-    )  # fmt: skip
-    parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    add_quiet_options(parser)
+    add_output_options(parser)
     return parser.parse_args(argv)
 
 
@@ -415,23 +376,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import os
-
     args = parse_args(argv)
     plan = make_plan(args)
-    if find_wrk() is None:
-        print("wrk is not installed: apt-get install -y wrk", file=sys.stderr)
+    if wrk_missing():
         return 2
     topology = plan.topology
-    if topology.pinned:
-        os.sched_setaffinity(0, topology.client)
     cpus = topology.server_cpus
-    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    workdir = Path(tempfile.mkdtemp(prefix="cryptd-loadtest-tls-"))
     extra = dict(args.cryptd_env)
-    result: dict[str, Any] = {"started": started, "machine": machine()}
-    log(f"working directory {workdir}; {topology.summary()}")
-    try:
+    with session(plan, "cryptd-loadtest-tls-", args.keep) as current:
+        workdir, result = current.workdir, current.result
         with contextlib.ExitStack() as stack:
             targets: dict[str, AnyTarget] = {}
             cryptds: dict[bool, Cryptd] = {}
@@ -471,12 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if label(kind, True) in targets
             }
             result["config"] = {
-                **asdict(plan),
-                "topology": topology.summary(),
-                "server_cores": topology.server_cores,
-                "command": reproduce_command(
-                    "loadtest.tls", sys.argv[1:] if argv is None else argv
-                ),
+                **current.config("loadtest.tls", argv),
                 "workers": args.workers,
                 "cryptd_env": extra,
             }
@@ -487,24 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name, by_label in runs.items()
             }
             result["results"] = [r.to_json() for r in found]
-        result["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
-        text = render(result, found)
-        print(text)
-        out = args.json or RESULTS_DIR / f"tls-{started.replace(':', '')}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-        if args.markdown:
-            args.markdown.write_text(text + "\n")
-        for path in (args.update_readme, args.update_performance):
-            if path is not None:
-                replace_section(path, DOCS_BEGIN, DOCS_END, summary(result, found))
-                log(f"updated {path}")
-        log(f"results: {out}")
-    finally:
-        if args.keep:
-            log(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        write_outputs(current, args, "tls", render(result, found), summary(result, found))
     return 0
 
 

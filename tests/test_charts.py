@@ -13,10 +13,9 @@ import pytest
 pytest.importorskip("matplotlib")  # the charts extra; CI installs it
 from matplotlib import image
 
-from loadtest.chart import comparison_chart
-from service import bench
-from service.charts import bench_chart
-from service.cli.bench import _TITLES
+from loadtest.algorithms import rates
+from loadtest.algorithms.table import TITLES
+from loadtest.charts import algorithms_chart, comparison_chart
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -34,12 +33,12 @@ def _assert_drawn(path: Path, min_width: int = 800) -> None:
 
 
 @pytest.fixture(scope="module")
-def small_report() -> bench.Report:
-    return bench.run(seconds=0.02, sizes=[16, 1024], threads=1, with_gmssl=False, rounds=1)
+def small_report() -> rates.Report:
+    return rates.run(seconds=0.02, sizes=[16, 1024], threads=1, with_gmssl=False, rounds=1)
 
 
-def test_bench_chart(small_report: bench.Report, tmp_path: Path) -> None:
-    path = bench_chart(small_report, tmp_path / "bench.png", _TITLES)
+def test_algorithms_chart(small_report: rates.Report, tmp_path: Path) -> None:
+    path = algorithms_chart(small_report, tmp_path / "bench.png", TITLES)
     _assert_drawn(path)
 
 
@@ -105,7 +104,7 @@ def test_load_test_report_chart(tmp_path: Path) -> None:
     saved.write_text(json.dumps(results))
     again = tmp_path / "again.png"
     subprocess.run(
-        [sys.executable, "-m", "loadtest.chart", str(saved), str(again)],
+        [sys.executable, "-m", "loadtest.charts", str(saved), str(again)],
         cwd=ROOT,
         check=True,
         capture_output=True,

