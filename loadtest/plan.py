@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from loadtest.scenarios import BY_NAME, MIX_BY_NAME, SCENARIOS
 
@@ -97,6 +97,22 @@ class Plan:
     mixes: tuple[str, ...] = ()
 
 
+def load_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's fields every campaign command sets alike from the shared options
+    (loadtest.options): durations, rounds, connections, the quiet wait and the topology."""
+    quick = args.quick
+    return {
+        "duration": args.duration or (3.0 if quick else 10.0),
+        "rounds": args.rounds or (1 if quick else 3),
+        "warmup": 1.0 if quick else 2.0,
+        "connections": args.connections,
+        "threads": args.threads,
+        "quiet_threshold": args.quiet,
+        "quiet_wait": args.quiet_wait if args.quiet > 0 else 0.0,
+        "topology": make_topology(args),
+    }
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     quick = args.quick
     if args.scenarios == "none":  # the case study alone
@@ -110,20 +126,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     scenarios = tuple(s for s in chosen if s in BY_NAME)
     mixes = tuple(s for s in chosen if s in MIX_BY_NAME)
     return Plan(
-        duration=args.duration or (3.0 if quick else 10.0),
-        rounds=args.rounds or (1 if quick else 3),
-        warmup=1.0 if quick else 2.0,
-        connections=args.connections,
-        threads=args.threads,
+        **load_settings(args),
         case_rate=args.case_rate,
         case_duration=args.case_duration or (5.0 if quick else 20.0),
         calibration=2.0 if quick else 3.0,
         calibration_scenarios=CALIBRATION_QUICK if quick else CALIBRATION_DEFAULT,
         scenarios=scenarios,
-        quiet_threshold=args.quiet,
-        quiet_wait=args.quiet_wait if args.quiet > 0 else 0.0,
         digest_once=not args.digest_every_request,
-        topology=make_topology(args),
         ceiling=not args.no_ceiling,
         mixes=mixes,
     )

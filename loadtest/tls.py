@@ -40,7 +40,7 @@ from loadtest.options import (
     add_quiet_options,
     add_topology_options,
 )
-from loadtest.plan import CALIBRATION_DEFAULT, Plan, make_topology
+from loadtest.plan import CALIBRATION_DEFAULT, Plan, load_settings
 from loadtest.progress import describe, log
 from loadtest.report import Summary, summarize
 from loadtest.sampling import AnyTarget, Prepared, measure, prepare, quietly
@@ -357,21 +357,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     unknown = [name for name in chosen if name not in BY_NAME]
     if unknown:
         raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
-    quick = args.quick
     return Plan(
-        duration=args.duration or (3.0 if quick else 10.0),
-        rounds=args.rounds or (1 if quick else 3),
-        warmup=1.0 if quick else 2.0,
-        connections=args.connections,
-        threads=args.threads,
+        **load_settings(args),
         case_rate=0.0,
         case_duration=0.0,
         calibration=0.0,
         calibration_scenarios=(),
         scenarios=tuple(s.name for s in SCENARIOS if s.name in chosen),
-        quiet_threshold=args.quiet,
-        quiet_wait=args.quiet_wait if args.quiet > 0 else 0.0,
-        topology=make_topology(args),
     )
 
 
