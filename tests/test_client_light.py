@@ -126,12 +126,13 @@ def test_sign_request_refuses_a_text_secret_or_body() -> None:
 
 
 def test_external_ciphertext_bytes_are_allowed_with_a_format(offline: CryptdClient) -> None:
-    from cryptd_client._calls import _decrypt
+    from cryptd_client._crypto_endpoints import CryptoEndpoints
 
-    call = _decrypt("sm2", b"\x04\x01", None, "sm2", None, None)
+    decrypt = vars(CryptoEndpoints)["decrypt"].build  # the request, not sent
+    call = decrypt(offline, "sm2", b"\x04\x01", format="sm2")
     assert call.payload == {"ciphertext": "BAE=", "format": "sm2"}
     with pytest.raises(TypeError, match="with format="):
-        _decrypt("k", bytearray(b"x"), None, None, None, None)
+        decrypt(offline, "k", bytearray(b"x"))
 
 
 def test_module_has_no_server_imports() -> None:

@@ -143,30 +143,30 @@ def parse_der(data: bytes) -> Sm2Ciphertext | None:
     return Sm2Ciphertext(x.to_bytes(SIZE, "big"), y.to_bytes(SIZE, "big"), c3, c2)
 
 
-def _strip_prefix(data: bytes, prefix: bool) -> bytes | None:
-    if not prefix:
-        return data
-    return data[1:] if data[:1] == POINT_PREFIX else None
+def _raw_body(data: bytes, prefix: bool) -> bytes | None:
+    """``data`` without its 0x04 prefix (when ``prefix``), if it holds C1 (both coordinates
+    below p), C3 and some C2 in either raw order; None if not."""
+    if prefix:
+        if data[:1] != POINT_PREFIX:
+            return None
+        data = data[1:]
+    if len(data) < _MIN_RAW or not _coordinates(data[:SIZE], data[SIZE:_C1]):
+        return None
+    return data
 
 
 def parse_c1c3c2(data: bytes, *, prefix: bool) -> Sm2Ciphertext | None:
-    body = _strip_prefix(data, prefix)
-    if body is None or len(body) < _MIN_RAW:
+    body = _raw_body(data, prefix)
+    if body is None:
         return None
-    x, y = body[:SIZE], body[SIZE:_C1]
-    if not _coordinates(x, y):
-        return None
-    return Sm2Ciphertext(x, y, body[_C1 : _C1 + SIZE], body[_C1 + SIZE :])
+    return Sm2Ciphertext(body[:SIZE], body[SIZE:_C1], body[_C1 : _C1 + SIZE], body[_C1 + SIZE :])
 
 
 def parse_c1c2c3(data: bytes, *, prefix: bool) -> Sm2Ciphertext | None:
-    body = _strip_prefix(data, prefix)
-    if body is None or len(body) < _MIN_RAW:
+    body = _raw_body(data, prefix)
+    if body is None:
         return None
-    x, y = body[:SIZE], body[SIZE:_C1]
-    if not _coordinates(x, y):
-        return None
-    return Sm2Ciphertext(x, y, body[-SIZE:], body[_C1:-SIZE])
+    return Sm2Ciphertext(body[:SIZE], body[SIZE:_C1], body[-SIZE:], body[_C1:-SIZE])
 
 
 def candidates(data: bytes, fmt: str) -> list[Sm2Ciphertext]:

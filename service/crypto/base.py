@@ -56,6 +56,16 @@ class SignOptions:
             if getattr(self, name) is not None:
                 raise InvalidOptions(f"'{name}' does not apply to this key type")
 
+    def raw_encoding(self, *refused: str) -> bool:
+        """ECDSA and SM2, once the options in ``refused`` are refused: whether the signature
+        is fixed-length r||s (``"raw"``) rather than DER (``"der"``, the default)."""
+        self.refuse(*refused)
+        if self.encoding in (None, "der"):
+            return False
+        if self.encoding == "raw":
+            return True
+        raise InvalidOptions("encoding must be 'der' or 'raw'")
+
 
 # No option sent: requests without options share this one (built once, checked at a glance).
 NO_OPTIONS = SignOptions()

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 )
 
 from service.crypto import digests
-from service.crypto.base import InvalidKeyMaterial, InvalidOptions, KeyHandle, KeyType, SignOptions
+from service.crypto.base import InvalidKeyMaterial, KeyHandle, KeyType, SignOptions
 from service.crypto.pkcs8 import load_trusted, load_untrusted, private_der, public_pem
 
 # (message algorithm, digest algorithm) per hash name, built once.
@@ -21,15 +21,6 @@ _ALGORITHMS: dict[str, tuple[ec.ECDSA, ec.ECDSA]] = {
     name: (ec.ECDSA(algorithm), ec.ECDSA(Prehashed(algorithm)))
     for name, algorithm in digests.HASHES.items()
 }
-
-
-def _raw_encoding(options: SignOptions) -> bool:
-    options.refuse("algorithm", "signer_id")
-    if options.encoding in (None, "der"):
-        return False
-    if options.encoding == "raw":
-        return True
-    raise InvalidOptions("encoding must be 'der' or 'raw'")
 
 
 def der_to_raw(signature: bytes, size: int) -> bytes:
@@ -72,14 +63,14 @@ class EcdsaKey(KeyHandle):
         return digest if prehashed else message
 
     def sign(self, data: bytes, *, prehashed: bool, options: SignOptions) -> bytes:
-        raw = _raw_encoding(options)
+        raw = options.raw_encoding("algorithm", "signer_id")
         signature = self._private.sign(data, self._algorithm(data, prehashed, options))
         return der_to_raw(signature, self._scalar) if raw else signature
 
     def verify(
         self, signature: bytes, data: bytes, *, prehashed: bool, options: SignOptions
     ) -> bool:
-        raw = _raw_encoding(options)
+        raw = options.raw_encoding("algorithm", "signer_id")
         algorithm = self._algorithm(data, prehashed, options)
         if raw:
             der = raw_to_der(signature, self._scalar)

@@ -75,18 +75,6 @@ def message_digest(
     return sm3(compute_z(public_point, signer_id), message)
 
 
-# --- options ----------------------------------------------------------------------------------
-
-
-def _raw_encoding(options: SignOptions) -> bool:
-    options.refuse("algorithm", "hash_algorithm")
-    if options.encoding in (None, "der"):
-        return False
-    if options.encoding == "raw":
-        return True
-    raise InvalidOptions("encoding must be 'der' or 'raw'")
-
-
 # --- the key handle ---------------------------------------------------------------------------
 
 
@@ -162,7 +150,7 @@ class Sm2Key(KeyHandle):
         return sm3(z, data)
 
     def sign(self, data: bytes, *, prehashed: bool, options: SignOptions) -> bytes:
-        raw = _raw_encoding(options)
+        raw = options.raw_encoding("algorithm", "hash_algorithm")
         signature = self._key.sign_digest(self._digest(data, prehashed, options))
         if not raw:
             return signature
@@ -174,7 +162,7 @@ class Sm2Key(KeyHandle):
     def verify(
         self, signature: bytes, data: bytes, *, prehashed: bool, options: SignOptions
     ) -> bool:
-        raw = _raw_encoding(options)
+        raw = options.raw_encoding("algorithm", "hash_algorithm")
         digest = self._digest(data, prehashed, options)
         der = codec.signature_to_der(signature) if raw else signature
         if der is None or len(der) > _MAX_DER_SIGNATURE:

@@ -39,6 +39,7 @@ class InlineExecutor:
         self._in_flight = 0
         self._completed_total = 0
         self._rejected_total = 0
+        self._expired_total = 0  # a call starts at once: its deadline cannot pass
 
     @property
     def kind(self) -> ExecutorKind:
@@ -69,17 +70,20 @@ class InlineExecutor:
 
     def stats(self) -> PoolStats:
         return PoolStats(
-            kind="inline",
+            kind=self.kind,
             workers=1,
             workers_alive=1 if self._lifecycle is Lifecycle.RUNNING else 0,
-            queued=0,
+            queued=self._queued(),
             in_flight=self._in_flight,
             max_pending=self._max_pending,
             crashes_total=0,
             completed_total=self._completed_total,
             rejected_total=self._rejected_total,
-            expired_total=0,
+            expired_total=self._expired_total,
         )
+
+    def _queued(self) -> int:
+        return 0  # a call starts at once
 
     async def close(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109 (the interface's)
         # Nothing can be in flight across an await: every call completes before run() returns.

@@ -38,7 +38,7 @@ from time import perf_counter
 from typing import Any
 
 from service.errors import Overloaded
-from service.pool.base import ExecutorKind, P, PoolStats, QueueWaitObserver, T
+from service.pool.base import ExecutorKind, P, QueueWaitObserver, T
 from service.pool.inline import InlineExecutor
 from service.pool.queued import Lifecycle, check_deadline
 
@@ -112,7 +112,6 @@ class SlicedExecutor(InlineExecutor):
         self._granted = 0  # calls woken for this slice, not yet started
         self._reset_scheduled = False
         self._drained: asyncio.Event | None = None  # set by close(): told when nothing is left
-        self._expired_total = 0
 
     @property
     def kind(self) -> ExecutorKind:
@@ -127,19 +126,8 @@ class SlicedExecutor(InlineExecutor):
         check_deadline(deadline)
         return await self._run(deadline, fn, *args, **kwargs)
 
-    def stats(self) -> PoolStats:
-        return PoolStats(
-            kind="sliced",
-            workers=1,
-            workers_alive=1 if self._lifecycle is Lifecycle.RUNNING else 0,
-            queued=len(self._waiting),
-            in_flight=self._in_flight,
-            max_pending=self._max_pending,
-            crashes_total=0,
-            completed_total=self._completed_total,
-            rejected_total=self._rejected_total,
-            expired_total=self._expired_total,
-        )
+    def _queued(self) -> int:
+        return len(self._waiting)
 
     async def close(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109 (the interface's)
         """Refuse new calls; the waiting ones still run (each within its deadline)."""

@@ -1,0 +1,269 @@
+"""The cryptographic operations of both clients, each written once: encrypt, decrypt, sign,
+verify, HMAC, random bytes, rewrap, data keys, and their batches (sent ``batch_size`` items
+at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from cryptd_client._base import BaseClient, Plan
+from cryptd_client._methods import operation
+from cryptd_client._wire import (
+    _batch_parser,
+    _body,
+    _Call,
+    _datakey_result,
+    _decrypt_result,
+    _encrypt_result,
+    _item,
+    _key_path,
+    _mac_result,
+    _sign_result,
+    _unb64,
+    _verify_result,
+)
+from cryptd_client.errors import CryptdAPIError
+from cryptd_client.results import DataKey, DecryptResult, EncryptResult, MacResult, SignResult
+
+T = TypeVar("T")
+
+
+def _exactly_one(message: bytes | None, digest: bytes | None) -> None:
+    if (message is None) == (digest is None):
+        raise ValueError("give exactly one of message and digest")
+
+
+def _batches(
+    operation: str,
+    key: str,
+    items: Sequence[Mapping[str, Any]],
+    parse: Callable[[Mapping[str, Any]], T],
+    size: int,
+) -> Plan[list[T | CryptdAPIError]]:
+    results: list[T | CryptdAPIError] = []
+    for start in range(0, len(items), size):
+        body = {"batch": [_item(item) for item in items[start : start + size]]}
+        call = _Call("POST", _key_path(operation, key), body, _batch_parser(parse))
+        batch: list[T | CryptdAPIError] = yield call
+        results.extend(batch)
+    return results
+
+
+def _as_items(field: str, items: Sequence[Any]) -> list[Mapping[str, Any]]:
+    """Batch items given bare (a plaintext, a ciphertext, a message) as ``{field: item}``."""
+    return [item if isinstance(item, Mapping) else {field: item} for item in items]
+
+
+def _datakey_item_result(data: Mapping[str, Any]) -> DataKey | EncryptResult:
+    return _datakey_result(data) if "plaintext" in data else _encrypt_result(data)
+
+
+class CryptoEndpoints(BaseClient):
+    """The cryptographic operations: one endpoint call each, or a batch of them."""
+
+    @operation
+    def encrypt(
+        self,
+        key: str,
+        plaintext: bytes,
+        *,
+        aad: bytes | None = None,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> _Call[EncryptResult]:
+        body = _body(plaintext=plaintext, aad=aad, key_version=key_version, context=context)
+        return _Call("POST", _key_path("encrypt", key), body, _encrypt_result)
+
+    @operation
+    def decrypt(
+        self,
+        key: str,
+        ciphertext: str | bytes,
+        *,
+        aad: bytes | None = None,
+        format: str | None = None,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> _Call[DecryptResult]:
+        body = _body(
+            ciphertext=ciphertext, aad=aad, format=format, key_version=key_version, context=context
+        )
+        return _Call("POST", _key_path("decrypt", key), body, _decrypt_result)
+
+    @operation
+    def sign(
+        self,
+        key: str,
+        message: bytes | None = None,
+        *,
+        digest: bytes | None = None,
+        algorithm: str | None = None,
+        signer_id: str | None = None,
+        encoding: str | None = None,
+        key_version: int | None = None,
+        hash_algorithm: str | None = None,
+    ) -> _Call[SignResult]:
+        _exactly_one(message, digest)
+        body = _body(
+            message=message,
+            digest=digest,
+            algorithm=algorithm,
+            signer_id=signer_id,
+            encoding=encoding,
+            key_version=key_version,
+            hash_algorithm=hash_algorithm,
+        )
+        return _Call("POST", _key_path("sign", key), body, _sign_result)
+
+    @operation
+    def verify(
+        self,
+        key: str,
+        message: bytes | None = None,
+        *,
+        signature: bytes,
+        digest: bytes | None = None,
+        algorithm: str | None = None,
+        signer_id: str | None = None,
+        encoding: str | None = None,
+        key_version: int | None = None,
+        hash_algorithm: str | None = None,
+    ) -> _Call[bool]:
+        _exactly_one(message, digest)
+        body = _body(
+            message=message,
+            digest=digest,
+            signature=signature,
+            algorithm=algorithm,
+            signer_id=signer_id,
+            encoding=encoding,
+            key_version=key_version,
+            hash_algorithm=hash_algorithm,
+        )
+        return _Call("POST", _key_path("verify", key), body, _verify_result)
+
+    @operation
+    def hmac(
+        self,
+        key: str,
+        message: bytes,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> _Call[MacResult]:
+        body = _body(message=message, key_version=key_version, context=context)
+        return _Call("POST", _key_path("hmac", key), body, _mac_result)
+
+    @operation
+    def verify_mac(
+        self,
+        key: str,
+        message: bytes,
+        mac: str,
+        *,
+        key_version: int | None = None,
+        context: bytes | None = None,
+    ) -> _Call[bool]:
+        body = _body(message=message, mac=mac, key_version=key_version, context=context)
+        return _Call("POST", _key_path("verify", key), body, _verify_result)
+
+    @operation
+    def random(self, size: int) -> _Call[bytes]:
+        """``size`` (1 to 65,536) bytes from the server's CSPRNG."""
+        return _Call("POST", "/v1/random", _body(bytes=size), lambda data: _unb64(data["random"]))
+
+    @operation
+    def rewrap(
+        self,
+        key: str,
+        ciphertext: str,
+        *,
+        aad: bytes | None = None,
+        to_key: str | None = None,
+        context: bytes | None = None,
+    ) -> _Call[EncryptResult]:
+        body = _body(ciphertext=ciphertext, aad=aad, to_key=to_key, context=context)
+        return _Call("POST", _key_path("rewrap", key), body, _encrypt_result)
+
+    @operation
+    def datakey(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> _Call[DataKey]:
+        body = _body(bits=bits, aad=aad, context=context)
+        return _Call("POST", _key_path("datakey", key), body, _datakey_result)
+
+    @operation
+    def datakey_wrapped(
+        self,
+        key: str,
+        bits: int = 256,
+        aad: bytes | None = None,
+        *,
+        context: bytes | None = None,
+    ) -> _Call[EncryptResult]:
+        """A fresh data key, returned only wrapped (``plaintext: false``)."""
+        body = _body(bits=bits, aad=aad, context=context, plaintext=False)
+        return _Call("POST", _key_path("datakey", key), body, _encrypt_result)
+
+    @operation
+    def encrypt_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> Plan[list[EncryptResult | CryptdAPIError]]:
+        """Items are plaintexts or ``{"plaintext", "aad"?, "key_version"?}`` mappings."""
+        mappings = _as_items("plaintext", items)
+        return _batches("encrypt", key, mappings, _encrypt_result, self.batch_size)
+
+    @operation
+    def decrypt_batch(
+        self, key: str, items: Sequence[str | bytes | Mapping[str, Any]]
+    ) -> Plan[list[DecryptResult | CryptdAPIError]]:
+        """Items are ciphertexts or ``{"ciphertext", "aad"?, "format"?, ...}`` mappings."""
+        mappings = _as_items("ciphertext", items)
+        return _batches("decrypt", key, mappings, _decrypt_result, self.batch_size)
+
+    @operation
+    def sign_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> Plan[list[SignResult | CryptdAPIError]]:
+        """Items are messages or ``{"message" | "digest", "algorithm"?, ...}`` mappings."""
+        mappings = _as_items("message", items)
+        return _batches("sign", key, mappings, _sign_result, self.batch_size)
+
+    @operation
+    def verify_batch(
+        self, key: str, items: Sequence[tuple[bytes, bytes] | Mapping[str, Any]]
+    ) -> Plan[list[bool | CryptdAPIError]]:
+        """Items are ``(message, signature)`` pairs or request mappings."""
+        mappings = [
+            {"message": i[0], "signature": i[1]} if isinstance(i, tuple) else i for i in items
+        ]
+        return _batches("verify", key, mappings, _verify_result, self.batch_size)
+
+    @operation
+    def rewrap_batch(
+        self, key: str, items: Sequence[str | Mapping[str, Any]]
+    ) -> Plan[list[EncryptResult | CryptdAPIError]]:
+        mappings = _as_items("ciphertext", items)
+        return _batches("rewrap", key, mappings, _encrypt_result, self.batch_size)
+
+    @operation
+    def hmac_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> Plan[list[MacResult | CryptdAPIError]]:
+        """Items are messages or ``{"message", "key_version"?, "context"?}`` mappings."""
+        mappings = _as_items("message", items)
+        return _batches("hmac", key, mappings, _mac_result, self.batch_size)
+
+    @operation
+    def datakey_batch(
+        self, key: str, items: Sequence[Mapping[str, Any]]
+    ) -> Plan[list[DataKey | EncryptResult | CryptdAPIError]]:
+        """Items are ``{"bits"?, "aad"?, "plaintext"?, "context"?}`` mappings; an item with
+        ``"plaintext": False`` gives an EncryptResult (the wrapped key only)."""
+        return _batches("datakey", key, items, _datakey_item_result, self.batch_size)
