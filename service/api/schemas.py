@@ -58,11 +58,8 @@ Token = Annotated[
     ),
 ]
 Context = Annotated[
-    str,
-    Field(
-        json_schema_extra={"pattern": BASE64_PATTERN, "contentEncoding": "base64"},
-        description="Derived keys: the derivation context (required); other keys refuse it.",
-    ),
+    Base64,
+    Field(description="Derived keys: the derivation context (required); other keys refuse it."),
 ]
 KeyName = Annotated[
     str,
