@@ -16,9 +16,9 @@ import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from service.api.items import PARSERS
 from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto
-from service.api.schemas import PARSERS
 from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions

@@ -13,7 +13,8 @@ from starlette.responses import Response
 
 from service.api import deps
 from service.api.deps import Services
-from service.api.schemas import PARSERS, parse_json_object
+from service.api.items import PARSERS
+from service.api.schemas import parse_json_object
 from service.asgi import Scope
 from service.auth.clients import Client
 from service.auth.policy import STATE_KEY, authorize, client_from_scope
