@@ -96,7 +96,7 @@ def application(
             # The keyring generation board cryptd serve gives its workers (shared memory): its
             # comparison before every key use is part of the cost.
             os.environ["CRYPTD_RUNTIME_DIR"] = str(Path(scratch))
-            from service.app import create_app
+            from service.api.application import create_app
             from service.config import Settings
 
             app = create_app(Settings())

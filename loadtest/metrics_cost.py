@@ -61,6 +61,7 @@ def build_app(audit: Any = None) -> FastAPI:
 
 def app_factory() -> ASGIApp:
     """uvicorn --factory entry: BENCH_METRICS=1 wraps the app; BENCH_AUDIT=<path> audits."""
+    from service.api.timing import timed
     from service.logs import configure_logging
     from service.metrics import Metrics
 
@@ -75,7 +76,7 @@ def app_factory() -> ASGIApp:
             body, content_type = metrics.render()
             return Response(body, media_type=content_type)
 
-        return metrics.asgi_middleware(app)
+        return timed(metrics, app)
     return app
 
 
@@ -155,11 +156,12 @@ def _asgi_rate(app: ASGIApp, method: str, path: str, seconds: float) -> Sample:
 
 
 def in_process(seconds: float, rounds: int) -> None:
+    from service.api.timing import timed
     from service.logs import Audit, LineWriter
     from service.metrics import Metrics
 
     plain = build_app()
-    with_metrics = Metrics().asgi_middleware(build_app())
+    with_metrics = timed(Metrics(), build_app())
     ping = "/v1/ping/k1"
     result = _alternate(
         {
@@ -204,7 +206,8 @@ def real_app(rounds: int, count: int = 1000) -> None:
 
     import orjson
 
-    from service.app import create_app
+    from service.api.application import create_app
+    from service.api.timing import timed
     from service.auth.signature import sign_request
     from service.cli.serve import prepare_dev_dir
     from service.config import Settings
@@ -221,7 +224,7 @@ def real_app(rounds: int, count: int = 1000) -> None:
         if not any(getattr(route, "path", None) == "/metrics" for route in instrumented.routes):
             # create_app does not wire metrics itself yet: do what it will do.
             instrumented.state.services.runner._observer = metrics.observe_crypto
-        wrapped = metrics.asgi_middleware(instrumented)
+        wrapped = timed(metrics, instrumented)
         path = "/v1/encrypt/aes256-gcm"
         body = orjson.dumps({"plaintext": base64.b64encode(b"x" * 64).decode()})
 

@@ -1,4 +1,5 @@
-"""Small ASGI helpers shared by the middlewares and the API: one error body shape everywhere."""
+"""Small ASGI helpers shared by the request pipeline, the middlewares and the API: one error body
+shape everywhere, the body read whole (and handed on again)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,44 @@ async def send_error(
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     await send_json(send, status, error_body(code, message), headers)
+
+
+class BodyTooLarge(Exception):
+    """The request body is over the limit :func:`read_body` was given."""
+
+
+async def read_body(receive: Receive, limit: float = float("inf")) -> bytes | None:
+    """The whole request body, or None when the client went away. Raises
+    :class:`BodyTooLarge` as soon as more than ``limit`` bytes have arrived."""
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False) and len(body) <= limit:
+        return body
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False) and size <= limit:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        chunks.append(chunk)
+    if size > limit:
+        raise BodyTooLarge()
+    return b"".join(chunks)
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the buffered body once, then defers to the server."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

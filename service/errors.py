@@ -31,23 +31,24 @@ class SchemaError(InvalidRequest):
     """Request body failed schema validation (the API answers 422)."""
 
 
-class DecryptionFailed(CryptdError):
+class _OneMessage(CryptdError):
+    """An error whose message is always ``default_message``: whatever a caller passes, the
+    client cannot learn which check failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(self.default_message)
+
+
+class DecryptionFailed(_OneMessage):
     """Any decryption failure. One message for every cause: no oracle."""
 
     code = "decryption_failed"
     default_message = "decryption failed"
 
-    def __init__(self, message: str | None = None) -> None:
-        # The message is fixed on purpose; callers cannot leak which check failed.
-        super().__init__(self.default_message)
 
-
-class Unauthenticated(CryptdError):
+class Unauthenticated(_OneMessage):
     code = "unauthenticated"
     default_message = "request signature missing, invalid, expired or replayed"
-
-    def __init__(self, message: str | None = None) -> None:
-        super().__init__(self.default_message)
 
 
 class Forbidden(CryptdError):
@@ -85,28 +86,25 @@ class UnsupportedMediaType(CryptdError):
     default_message = "the body must be sent as application/json"
 
 
-class RateLimited(CryptdError):
+class _RetryLater(CryptdError):
+    """A refusal a retry can cure, after ``retry_after`` seconds (the Retry-After answer)."""
+
+    def __init__(self, message: str | None = None, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type[CryptdError], tuple[str, float]]:  # type: ignore[override]
+        return (type(self), (self.message, self.retry_after))
+
+
+class RateLimited(_RetryLater):
     code = "rate_limited"
     default_message = "rate limit exceeded"
 
-    def __init__(self, message: str | None = None, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
-    def __reduce__(self) -> tuple[type[CryptdError], tuple[str, float]]:  # type: ignore[override]
-        return (type(self), (self.message, self.retry_after))
-
-
-class Overloaded(CryptdError):
+class Overloaded(_RetryLater):
     code = "overloaded"
     default_message = "service overloaded, retry later"
-
-    def __init__(self, message: str | None = None, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-    def __reduce__(self) -> tuple[type[CryptdError], tuple[str, float]]:  # type: ignore[override]
-        return (type(self), (self.message, self.retry_after))
 
 
 class KeystoreUnavailable(CryptdError):

@@ -437,8 +437,9 @@ def _audit_middle(repeated: tuple[Any, ...]) -> bytes:
 
 @dataclass
 class LogSetup:
-    """What :func:`configure_logging` built: pass ``access_log`` to ``Metrics.asgi_middleware``
-    and ``audit`` to whatever manages keys and runs decrypt/sign; ``close()`` at shutdown."""
+    """What :func:`configure_logging` built: pass ``access_log`` to the request timer
+    (service/api/timing.py) and ``audit`` to whatever manages keys and runs decrypt/sign;
+    ``close()`` at shutdown."""
 
     access_log: AccessLog | None
     audit: Audit

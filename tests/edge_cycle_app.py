@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 import uvloop
 
-from service.edge import protocol
+from service.edge import response
 from service.edge.protocol import EdgeLimits
 from service.edge.server import EdgeConfig, EdgeServer, bind
 
@@ -80,7 +80,7 @@ class Recorder:
             more = message.get("more_body", False)
         case = scope["path"].rsplit("/", 1)[-1]
         if scope["path"] == "/names":  # what the edge's fast head has learnt
-            names = b",".join(sorted(protocol._PLAIN_NAMES))
+            names = b",".join(sorted(response._PLAIN_NAMES))
             headers = [(b"content-length", str(len(names)).encode())]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": names})

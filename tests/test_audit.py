@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
+from service.api.timing import timed
 from service.logs import Audit, LineWriter, LogSetup, configure_logging
 from service.metrics import Metrics
 
@@ -175,7 +176,7 @@ async def test_known_secrets_pushed_through_requests_reach_no_log_line(
     audit_path = tmp_path / "audit.log"
     setup = configure_logging("debug", True, str(audit_path), stderr_fd=stderr_file[1])
     try:
-        wrapped = Metrics().asgi_middleware(secret_app(setup), access_log=setup.access_log)
+        wrapped = timed(Metrics(), secret_app(setup), access_log=setup.access_log)
         headers = {
             "Signature": f"sig1=:{base64.b64encode(SIGNATURE.encode()).decode()}:",
             "Authorization": f"Bearer {CLIENT_SECRET}",

@@ -17,7 +17,8 @@ from http_message_signatures.algorithms import HMAC_SHA256
 
 from cryptd_client import signing
 from service.asgi import Message
-from service.auth.middleware import STATE_KEY, SignatureAuthMiddleware
+from service.auth.middleware import SignatureAuthMiddleware
+from service.auth.policy import STATE_KEY
 from service.auth.ratelimit import MemoryRateLimiter
 from service.auth.replay import MemoryReplayStore
 from service.auth.signature import (

@@ -35,12 +35,8 @@ from starlette.routing import Route
 
 from service.asgi import ASGIApp
 from service.auth.clients import ClientsFile, generate_secret
-from service.auth.middleware import (
-    SignatureAuthMiddleware,
-    authorize,
-    client_from_scope,
-    require_admin,
-)
+from service.auth.middleware import SignatureAuthMiddleware
+from service.auth.policy import authorize, client_from_scope, require_admin
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter
 from service.auth.redis_client import close, connect
 from service.auth.replay import KEY_PREFIX, MemoryReplayStore, RedisReplayStore, ReplayStore

@@ -15,7 +15,7 @@ import pytest
 
 from cryptd_client import sign_request
 from cryptd_client.signing import COVERED_COMPONENTS, signature_base
-from service.app import create_app
+from service.api.application import create_app
 from service.auth.clients import write_document
 from service.config import Settings
 from service.keys.manager import KeyManager, create_keyring_file

@@ -275,7 +275,7 @@ def test_every_copied_file_is_in_the_build_context(
             continue  # the project README is written alongside; the build needs it
         assert (ROOT / source).exists(), source
         assert not dockerignore_excludes(ignore_patterns, source.rstrip("/")), source
-    assert not dockerignore_excludes(ignore_patterns, "service/app.py")
+    assert not dockerignore_excludes(ignore_patterns, "service/api/application.py")
 
 
 @pytest.mark.parametrize(

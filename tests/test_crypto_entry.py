@@ -1,4 +1,4 @@
-"""The crypto operations' single entry (service/api/dispatch.py) against the layered path.
+"""The crypto operations' single entry (service/api/pipeline.py) against the layered path.
 
 Every crypto request used to pass the edge as five ASGI layers and FastAPI's routing; now one
 coroutine does the same work. The layered path is still there (every other route uses it, and
@@ -9,6 +9,7 @@ request can be refused (signature, replay, body size, policy, key name, schema, 
 from __future__ import annotations
 
 import base64
+import copy
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,7 +33,9 @@ async def entry() -> AsyncIterator[tuple[Any, Any, dict[str, Any]]]:
         async with app.router.lifespan_context(app):
             dispatch = app.build_middleware_stack()
             _ROOT[:] = [app]
-            yield dispatch, dispatch.app, credential
+            layered = copy.copy(dispatch)
+            layered.routes = {}  # the same checks, then FastAPI's crypto routes
+            yield dispatch, layered, credential
 
 
 def _signed(

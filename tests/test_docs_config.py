@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.app import create_app
+from service.api.application import create_app
 from service.auth.clients import generate_secret, write_document
 from service.config import Settings
 from service.keys.manager import create_keyring_file

@@ -81,7 +81,11 @@ def cryptd_shim(bin_dir: Path) -> Path:
 def cli_available() -> bool:
     """True once the service's CLI imports (it is built in parallel with these manifests)."""
     probe = subprocess.run(
-        [sys.executable, "-c", "import service.cli.keys, service.cli.serve, service.app"],
+        [
+            sys.executable,
+            "-c",
+            "import service.cli.keys, service.cli.serve, service.api.application",
+        ],
         cwd=ROOT,
         capture_output=True,
         check=False,

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
+from service.api.timing import timed
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.logs import LineWriter, LogSetup, _timestamp, configure_logging
 from service.metrics import Metrics
@@ -152,7 +153,7 @@ async def test_one_access_line_per_request_with_request_fields(
         return {"key": key}
 
     app.add_middleware(SetsRequestState)
-    wrapped = Metrics().asgi_middleware(app, access_log=configured.access_log)
+    wrapped = timed(Metrics(), app, access_log=configured.access_log)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=wrapped), base_url="http://test"
     ) as client:

@@ -14,8 +14,9 @@ from fastapi import APIRouter, FastAPI, Query
 from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.api.timing import route_template, timed
 from service.asgi import ASGIApp, Receive, Scope, Send, send_error
-from service.metrics import LATENCY_BUCKETS, Metrics, route_template
+from service.metrics import LATENCY_BUCKETS, Metrics
 from service.metrics.batch import apply, supports_direct_buckets
 from service.metrics.window import RELATIVE_ACCURACY
 
@@ -84,7 +85,7 @@ def metrics() -> Metrics:
 
 @pytest.fixture
 async def client(metrics: Metrics) -> AsyncIterator[httpx.AsyncClient]:
-    wrapped = metrics.asgi_middleware(build_app())
+    wrapped = timed(metrics, build_app())
     transport = httpx.ASGITransport(app=wrapped, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         yield http
@@ -268,7 +269,7 @@ def test_build_info_and_window_length_are_exported() -> None:
 def test_disabled_metrics_cost_nothing_and_render_nothing() -> None:
     metrics = Metrics(enabled=False)
     app = build_app()
-    assert metrics.asgi_middleware(app) is app
+    assert timed(metrics, app) is app
     metrics.observe_crypto("encrypt", "aes256-gcm", 0.001)
     metrics.auth_failure("bad_signature")
     metrics.pool_gauges(1, 1)
@@ -281,7 +282,7 @@ async def test_access_log_without_metrics_still_gets_one_timing() -> None:
     def access_log(scope: Scope, route: str, status: int, seconds: float) -> None:
         seen.append((route, status, seconds))
 
-    wrapped = Metrics(enabled=False).asgi_middleware(build_app(), access_log=access_log)
+    wrapped = timed(Metrics(enabled=False), build_app(), access_log=access_log)
     transport = httpx.ASGITransport(app=wrapped)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         await http.post("/v1/encrypt/k")
@@ -294,7 +295,7 @@ async def test_a_failing_observer_never_fails_the_request(metrics: Metrics) -> N
     def broken(scope: Scope, route: str, status: int, seconds: float) -> None:
         raise RuntimeError("observer bug")
 
-    wrapped = metrics.asgi_middleware(build_app(), access_log=broken)
+    wrapped = timed(metrics, build_app(), access_log=broken)
     transport = httpx.ASGITransport(app=wrapped)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         assert (await http.post("/v1/encrypt/k")).status_code == 200
@@ -315,7 +316,7 @@ async def test_non_http_scopes_pass_through(metrics: Metrics) -> None:
     async def send(message: Any) -> None:
         return None
 
-    wrapped = metrics.asgi_middleware(app)
+    wrapped = timed(metrics, app)
     await wrapped({"type": "lifespan"}, receive, send)
     assert calls == ["lifespan"]
     assert not any(name.startswith("cryptd_http_requests") for name, _ in samples(metrics))

@@ -15,8 +15,8 @@ from openapi_spec_validator import validate
 from starlette.routing import BaseRoute
 
 from service.api import openapi, spec
+from service.api.application import create_app
 from service.api.errors import STATUS
-from service.app import create_app
 from service.cli.serve import prepare_dev_dir
 from service.config import Settings
 

@@ -16,9 +16,9 @@ import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from service.api.dispatch import CryptoDispatch
+from service.api.items import PARSERS
+from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto
-from service.api.schemas import PARSERS
 from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
@@ -139,7 +139,7 @@ def test_dispatch_matches_exactly_the_crypto_routes() -> None:
     async def endpoint(scope: Any, body: bytes, op: Any, key: str) -> bytes:
         return b"{}"
 
-    dispatch = CryptoDispatch(other, endpoint=endpoint, routes=crypto.ROUTES)
+    dispatch = RequestPipeline(other, endpoint=endpoint, routes=crypto.ROUTES)
     for op in ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey"):
         target = dispatch.match(_scope("POST", f"/v1/{op}/my-key"))
         assert target is not None
@@ -159,7 +159,7 @@ def test_dispatch_matches_exactly_the_crypto_routes() -> None:
         assert dispatch.match(_scope(method, path)) is None, (method, path)
     assert dispatch.match({"type": "websocket", "path": "/v1/encrypt/k"}) is None
     with pytest.raises(ValueError, match="no crypto routes"):
-        CryptoDispatch(other, endpoint=endpoint, routes={})
+        RequestPipeline(other, endpoint=endpoint, routes={})
 
 
 def test_routes_beside_the_fast_path_keep_fastapi_answers(server: Server) -> None:

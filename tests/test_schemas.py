@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service.api import schemas
+from service.api import items, schemas
 from service.errors import CryptdError
 from service.operations import DecryptItem, EncryptItem
 
@@ -19,20 +19,20 @@ VALUES: list[Any] = ["AQID", "", "not base64!", 1, 2.0, 1.5, True, None, [], {},
 def _through_the_model(op: str, data: dict[str, Any]) -> EncryptItem | DecryptItem:
     """The conversion as it is written for any body: validate the model, then convert."""
     if op == "encrypt":
-        body = schemas._validate(schemas.EncryptRequest, data)
+        body = schemas.validate(schemas.EncryptRequest, data)
         return EncryptItem(
             schemas.decode_b64(body.plaintext, "plaintext"),
-            schemas._aad(body.aad),
+            items._aad(body.aad),
             body.key_version,
-            schemas._context(body.context),
+            items._context(body.context),
         )
-    decrypt = schemas._validate(schemas.DecryptRequest, data)
+    decrypt = schemas.validate(schemas.DecryptRequest, data)
     return DecryptItem(
         decrypt.ciphertext,
-        schemas._aad(decrypt.aad),
+        items._aad(decrypt.aad),
         decrypt.format,
         decrypt.key_version,
-        schemas._context(decrypt.context),
+        items._context(decrypt.context),
     )
 
 
@@ -46,8 +46,8 @@ def _outcome(function: Any, *args: Any) -> object:
 @pytest.mark.parametrize(
     ("model", "fields", "required"),
     [
-        (schemas.EncryptRequest, schemas.ENCRYPT_FIELDS, "plaintext"),
-        (schemas.DecryptRequest, schemas.DECRYPT_FIELDS, "ciphertext"),
+        (schemas.EncryptRequest, items.ENCRYPT_FIELDS, "plaintext"),
+        (schemas.DecryptRequest, items.DECRYPT_FIELDS, "ciphertext"),
     ],
 )
 def test_the_tables_name_the_models_fields(
@@ -62,8 +62,8 @@ def test_the_tables_name_the_models_fields(
 
 @pytest.mark.parametrize("op", ["encrypt", "decrypt"])
 def test_bodies_give_the_models_items_and_errors(op: str) -> None:
-    parse = schemas.PARSERS[op]  # type: ignore[index]
-    fields = list(schemas.ENCRYPT_FIELDS if op == "encrypt" else schemas.DECRYPT_FIELDS)
+    parse = items.PARSERS[op]  # type: ignore[index]
+    fields = list(items.ENCRYPT_FIELDS if op == "encrypt" else items.DECRYPT_FIELDS)
     required = fields[0]
     documents: list[dict[str, Any]] = [{}, {"unknown": "x"}, {required: "AQID", "unknown": 1}]
     for name in fields:

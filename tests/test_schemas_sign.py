@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from service.api.schemas import PARSERS
+from service.api.items import PARSERS
 from service.crypto.base import NO_OPTIONS
 from service.errors import InvalidRequest, SchemaError
 from service.operations import SignItem

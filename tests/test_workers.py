@@ -217,7 +217,7 @@ def test_uvicorn_workers_share_a_replay_store(tmp_path: Path) -> None:
     }
     for name in ("CRYPTD_WORKERS", "CRYPTD_REPLAY_DIR", "CRYPTD_REDIS_URL", "CRYPTD_DEV_DIR"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "uvicorn", "--factory", "service.app:app_factory"]
+    command = [sys.executable, "-m", "uvicorn", "--factory", "service.api.application:app_factory"]
     command += ["--workers", "2", "--port", str(port), "--log-level", "warning"]
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "uvicorn.log", "wb") as log:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from service.auth import middleware as auth
+from service.auth import policy
 from service.keys.manager import KeyManager
 from service.keys.propagation import Propagation
 from service.logs import Audit
@@ -42,24 +42,24 @@ def services(request: Request) -> Services:
 
 def authorize(request: Request, key: str, operation: str) -> None:
     """403 unless the authenticated client's policy allows ``operation`` on ``key``."""
-    auth.authorize(auth.client_from_scope(request.scope), key, operation)
+    policy.authorize(policy.client_from_scope(request.scope), key, operation)
 
 
 def authorize_keyless(request: Request, operation: str) -> None:
     """403 unless a rule of the client's policy lists ``operation`` (one that names no key)."""
-    auth.authorize_keyless(auth.client_from_scope(request.scope), operation)
+    policy.authorize_keyless(policy.client_from_scope(request.scope), operation)
 
 
 def require_admin(request: Request) -> None:
-    auth.require_admin(auth.client_from_scope(request.scope))
+    policy.require_admin(policy.client_from_scope(request.scope))
 
 
 def may_read(request: Request, key: str) -> bool:
-    return auth.client_from_scope(request.scope).allows(key, "read")
+    return policy.client_from_scope(request.scope).allows(key, "read")
 
 
 def client_id(request: Request) -> str | None:
-    client = request.scope.get("state", {}).get(auth.STATE_KEY)
+    client = request.scope.get("state", {}).get(policy.STATE_KEY)
     return getattr(client, "client_id", None)
 
 

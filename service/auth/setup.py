@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class AuthParts:
-    """What :class:`~service.auth.middleware.SignatureAuthMiddleware` needs, plus the Redis
+    """What :class:`~service.auth.authenticator.Authenticator` needs, plus the Redis
     client to close at shutdown."""
 
     clients: ClientsFile

@@ -40,7 +40,7 @@ from service.metrics import init_multiprocess_dir
 log = logging.getLogger("cryptd")
 
 DEV_CLIENT_ID = "dev"
-APP = "service.app:app_factory"
+APP = "service.api.application:app_factory"
 GRACEFUL_SHUTDOWN_SECONDS = 30
 
 

@@ -3,15 +3,12 @@
 from service.metrics.core import Metrics
 from service.metrics.definitions import LATENCY_BUCKETS
 from service.metrics.exposition import render_directory
-from service.metrics.middleware import AccessLogSink, route_template
 from service.metrics.multiproc import init_multiprocess_dir, mark_worker_dead
 
 __all__ = [
     "LATENCY_BUCKETS",
-    "AccessLogSink",
     "Metrics",
     "init_multiprocess_dir",
     "mark_worker_dead",
     "render_directory",
-    "route_template",
 ]

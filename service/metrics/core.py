@@ -28,12 +28,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from service.asgi import ASGIApp
 from service.metrics import definitions, multiproc
 from service.metrics.batch import LoopBatch
 from service.metrics.exposition import ScrapeTimeCollector, Totals, render_directory
 from service.metrics.labels import OTHER, KeyLabels
-from service.metrics.middleware import AccessLogSink, TimingMiddleware
 from service.metrics.window import DEFAULT_SLOTS, SeriesKey, SlidingWindow, merge
 
 log = logging.getLogger("cryptd.metrics")
@@ -112,14 +110,6 @@ class Metrics:
         )
 
     # -- the request path -------------------------------------------------------------------
-
-    def asgi_middleware(self, app: ASGIApp, *, access_log: AccessLogSink | None = None) -> ASGIApp:
-        """Wrap ``app`` so every HTTP request is timed once and fed to the metrics and, when
-        given, the access log. With neither, ``app`` comes back unchanged (no cost at all)."""
-        record = self.observe_request if self.enabled else None
-        if record is None and access_log is None:
-            return app
-        return TimingMiddleware(app, record=record, access_log=access_log)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         if method not in definitions.HTTP_METHODS:

@@ -5,7 +5,7 @@ for the executors' bound to act on: when it arrives faster than one core can do 
 wait for the event loop instead. A timer is kept pending every ``interval``; how far past its
 due time the loop is *now* is the lag, so a request handled deep inside one long loop iteration
 (a burst read at once) sees it as well as one handled later. Above ``limit`` the crypto routes
-answer 503 ``overloaded`` at once, before any cryptography (service/api/dispatch.py), so
+answer 503 ``overloaded`` at once, before any cryptography (service/api/pipeline.py), so
 accepted requests keep their latency and clients back off.
 """
 

@@ -13,10 +13,11 @@ from starlette.responses import Response
 
 from service.api import deps
 from service.api.deps import Services
-from service.api.schemas import PARSERS, parse_json_object
+from service.api.items import PARSERS
+from service.api.schemas import parse_json_object
 from service.asgi import Scope
 from service.auth.clients import Client
-from service.auth.middleware import STATE_KEY, authorize, client_from_scope
+from service.auth.policy import STATE_KEY, authorize, client_from_scope
 from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
 from service.keys.keyring import check_key_name
 from service.operations import Item, OpName, Outcome, RewrapItem, error_entry, translate
@@ -151,7 +152,7 @@ async def _execute(
 def _register(op: OpName) -> None:
     async def endpoint(request: Request, key: str) -> Response:
         # Declared for the OpenAPI document and the metrics' route labels; requests reach
-        # `handle` through service.api.dispatch (this runs only if something routes here).
+        # `handle` through service.api.pipeline (this runs only if something routes here).
         content = await handle(deps.services(request), request.scope, await request.body(), op, key)
         return Response(content, media_type="application/json")
 
@@ -166,7 +167,7 @@ def _register(op: OpName) -> None:
     ROUTES[op] = route
 
 
-# The routes (metrics labels, 405 answers); requests reach `handle` via api.dispatch. Their
+# The routes (metrics labels, 405 answers); requests reach `handle` via api.pipeline. Their
 # bodies and answers are declared in service/api/spec.py (the OpenAPI document).
 ROUTES: dict[OpName, APIRoute] = {}
 for _op in OPERATIONS:

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.api import deps
 from service.api.routes.crypto import json_response
-from service.api.schemas import CreateKeyRequest, parse_model, parse_update
+from service.api.schemas import CreateKeyRequest, ImportKeyRequest, parse_model, parse_update
 from service.errors import CryptdError
 from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
+from service.keys.manager import KeyManager
 from service.keys.propagation import HEADER
 from service.usage.recorder import as_json as usage_json
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def _not_reserved(key: str) -> None:
@@ -129,23 +133,48 @@ async def describe_key(request: Request, key: str) -> Response:
 @router.post("/{key}", status_code=201)
 async def create_key(request: Request, key: str) -> Response:
     _not_reserved(key)
+    return await new_key(
+        request, "create", key, CreateKeyRequest, lambda manager, body: create(manager, key, body)
+    )
+
+
+async def new_key(
+    request: Request,
+    event: str,
+    key: str,
+    model: type[Body],
+    make: Callable[[KeyManager, Body], Key],
+) -> Response:
+    """A key-management route that adds a key named ``key``: 201 and its metadata.
+    ``make(manager, body)`` adds it, off the event loop, once the name is known to be free."""
     check_key_name(key)  # before the body: a bad name is 400 on every route
-    body = parse_model(CreateKeyRequest, await request.body())
+    body = parse_model(model, await request.body())
     manager = deps.services(request).keys
 
     def change() -> Key:
         check_new_key_name(key)
-        return manager.create(
-            key,
-            body.type,
-            deletion_allowed=body.deletion_allowed,
-            derived=body.derived,
-            convergent=body.convergent,
-            auto_rotate_period=body.auto_rotate_period,
-        )
+        return make(manager, body)
 
-    created = await manage(request, "create", key, change)
+    created = await manage(request, event, key, change)
     return json_response(created.found.metadata(), status=201, headers=created.headers)
+
+
+def create(
+    manager: KeyManager,
+    key: str,
+    body: CreateKeyRequest | ImportKeyRequest,
+    material: bytes | None = None,
+) -> Key:
+    """Create ``key`` with the settings of a create (or import) request's ``body``."""
+    return manager.create(
+        key,
+        body.type,
+        deletion_allowed=body.deletion_allowed,
+        derived=body.derived,
+        convergent=body.convergent,
+        auto_rotate_period=body.auto_rotate_period,
+        material=material,
+    )
 
 
 @router.post("/{key}/rotate")

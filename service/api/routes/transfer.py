@@ -20,7 +20,7 @@ from starlette.responses import Response
 from service import b64
 from service.api import deps
 from service.api.routes.crypto import json_response
-from service.api.routes.keys import manage
+from service.api.routes.keys import create, manage, new_key
 from service.api.schemas import (
     ImportKeyRequest,
     ImportVersionRequest,
@@ -32,7 +32,7 @@ from service.crypto import wrapping
 from service.crypto.base import CryptoError
 from service.crypto.registry import KEY_TYPES
 from service.errors import InvalidRequest, KeyNotFound
-from service.keys.keyring import Key, check_key_flags, check_key_name, check_new_key_name
+from service.keys.keyring import Key, check_key_flags, check_key_name
 from service.keys.manager import KeyManager
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
@@ -87,27 +87,13 @@ async def wrapping_key(request: Request) -> Response:
     summary="create a key from material wrapped with the wrapping key",
 )
 async def import_key(request: Request, key: str) -> Response:
-    check_key_name(key)
-    body = parse_model(ImportKeyRequest, await request.body())
-    manager = deps.services(request).keys
-
-    def change() -> Key:
-        check_new_key_name(key)
+    def make(manager: KeyManager, body: ImportKeyRequest) -> Key:
         if body.type in KEY_TYPES:  # flags first: refused before any unwrapping
             check_key_flags(KEY_TYPES[body.type], derived=body.derived, convergent=body.convergent)
         material = _unwrapped(manager, body.type, body.ciphertext, body.hash_function)
-        return manager.create(
-            key,
-            body.type,
-            deletion_allowed=body.deletion_allowed,
-            derived=body.derived,
-            convergent=body.convergent,
-            auto_rotate_period=body.auto_rotate_period,
-            material=material,
-        )
+        return create(manager, key, body, material)
 
-    created = await manage(request, "import", key, change)
-    return json_response(created.found.metadata(), status=201, headers=created.headers)
+    return await new_key(request, "import", key, ImportKeyRequest, make)
 
 
 @router.post(
@@ -155,13 +141,10 @@ async def backup_key(request: Request, key: str) -> Response:
     summary="restore a backup into a cryptd holding the same master key",
 )
 async def restore_key(request: Request, key: str) -> Response:
-    check_key_name(key)
-    body = parse_model(RestoreKeyRequest, await request.body())
-    manager = deps.services(request).keys
-
-    def change() -> Key:
-        check_new_key_name(key)
-        return manager.restore(key, decode_b64(body.backup, "backup"))
-
-    restored = await manage(request, "restore", key, change)
-    return json_response(restored.found.metadata(), status=201, headers=restored.headers)
+    return await new_key(
+        request,
+        "restore",
+        key,
+        RestoreKeyRequest,
+        lambda manager, body: manager.restore(key, decode_b64(body.backup, "backup")),
+    )

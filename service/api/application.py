@@ -16,18 +16,18 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import Response
 
 from service import __version__
 from service.api import docs, errors
 from service.api.deps import ReadinessCheck, Services
-from service.api.dispatch import CryptoDispatch
-from service.api.middleware import BodyLimitMiddleware, HeadAsGet, RequestIdMiddleware
+from service.api.middleware import HeadAsGet
+from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto, health, keys, random, transfer
+from service.api.routes import metrics as metrics_route
 from service.api.spec import allowed_methods
+from service.api.timing import RequestTimer
 from service.asgi import ASGIApp, Receive, Scope, Send
-from service.auth.middleware import SignatureAuthMiddleware
+from service.auth.authenticator import Authenticator
 from service.auth.replay_host import sibling_directory
 from service.auth.setup import build_auth
 from service.config import Settings
@@ -41,7 +41,6 @@ from service.keys.store import open_store
 from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
 from service.metrics import Metrics
-from service.metrics.middleware import TimingMiddleware
 from service.operations import Observer
 from service.pool import InFlight, make_executor
 from service.pool.base import Executor
@@ -267,10 +266,9 @@ def create_app(
                 writer.close()
 
     def edge(fastapi_stack: ASGIApp) -> ASGIApp:
-        # Every request but the crypto operations: the edge layers as ASGI middleware, built
-        # inside out (the metrics see every request first), then FastAPI's stack.
-        authenticator = SignatureAuthMiddleware(
-            HeadAsGet(fastapi_stack, lambda path: "GET" in allowed_methods(path)),
+        # Every request passes the pipeline's checks once; the crypto operations are then
+        # answered by their endpoint, everything else by FastAPI's stack.
+        authenticator = Authenticator(
             registry_provider=auth.clients,
             replay=auth.replay,
             rate_limiter=auth.rate_limiter,
@@ -281,20 +279,14 @@ def create_app(
             on_rejection=metrics.rejected,
             clock=clock,
         )
-        inner: ASGIApp = BodyLimitMiddleware(
-            authenticator, max_bytes=settings.max_body_bytes, on_reject=metrics.rejected
-        )
-        inner = RequestIdMiddleware(inner)
-        inner = metrics.asgi_middleware(inner, access_log=logs.access_log)
-        # The crypto operations: the same parts, in the same order, in one entry.
-        return CryptoDispatch(
-            inner,
+        return RequestPipeline(
+            HeadAsGet(fastapi_stack, lambda path: "GET" in allowed_methods(path)),
             endpoint=functools.partial(crypto.handle, services),
             routes=crypto.ROUTES,
-            auth=authenticator,
+            authenticator=authenticator,
             max_body_bytes=settings.max_body_bytes,
             on_body_rejected=metrics.rejected,
-            timing=inner if isinstance(inner, TimingMiddleware) else None,
+            timer=RequestTimer.of(metrics, logs.access_log),
             overloaded=lambda: loop_lag.overloaded,
             on_overload=functools.partial(metrics.rejected, "overload"),
             cheap=cheap,
@@ -333,11 +325,7 @@ def create_app(
     app.include_router(random.router)
     docs.install(app, enabled=settings.docs_enabled(), required=settings.docs is True)
 
-    @app.get("/metrics")
-    async def scrape(request: Request) -> Response:
-        # Reading every process's files takes milliseconds: off the event loop.
-        body, content_type = await run_in_threadpool(metrics.render)
-        return Response(body, media_type=content_type)
+    app.include_router(metrics_route.router(metrics))
 
     return app
 
@@ -345,9 +333,9 @@ def create_app(
 class Service(FastAPI):
     """FastAPI with cryptd's edge outside FastAPI's own middleware stack.
 
-    Every request passes the edge once (metrics, request id, body limit, signature check);
-    then the crypto operations go straight to their endpoint (:mod:`service.api.dispatch`) and
-    everything else through FastAPI's exception handling and router."""
+    Every request passes the request pipeline once (:mod:`service.api.pipeline`: request id,
+    body limit, signature check, timing); then the crypto operations go straight to their
+    endpoint and everything else through FastAPI's exception handling and router."""
 
     def __init__(self, *, edge: Callable[[ASGIApp], ASGIApp], **options: Any) -> None:
         """``edge(fastapi_stack) -> app``: the layers every request passes first."""

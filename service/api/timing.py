@@ -1,7 +1,8 @@
-"""One pure-ASGI middleware that times each request once and feeds the metrics and the access log.
+"""Each request timed once, for the metrics and the access log, labelled by its route template.
 
 Routes are labelled by their template (``/v1/encrypt/{key}``), never by the raw path: key names
-and junk paths would make the label set unbounded.
+and junk paths would make the label set unbounded. The request pipeline (pipeline.py) times
+cryptd's own requests; :func:`timed` wraps any other ASGI app the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 from starlette.routing import Match
 
 from service.asgi import ASGIApp, Message, Receive, Scope, Send
+from service.metrics import Metrics
 
 log = logging.getLogger("cryptd.metrics")
 
@@ -29,17 +31,46 @@ class AccessLogSink(Protocol):
         """Called once per HTTP request after the response was sent."""
 
 
-class TimingMiddleware:
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        record: RecordRequest | None,
-        access_log: AccessLogSink | None,
-    ) -> None:
-        self.app = app
+class RequestTimer:
+    """Feeds one answered request to the metrics and the access log; never raises."""
+
+    def __init__(self, *, record: RecordRequest | None, access_log: AccessLogSink | None) -> None:
         self._record = record
         self._access_log = access_log
+
+    @classmethod
+    def of(cls, metrics: Metrics, access_log: AccessLogSink | None = None) -> RequestTimer | None:
+        """The timer of ``metrics`` (when enabled) and ``access_log``; None with neither."""
+        record = metrics.observe_request if metrics.enabled else None
+        if record is None and access_log is None:
+            return None
+        return cls(record=record, access_log=access_log)
+
+    def finish_unrouted(self, scope: Scope, status: int, seconds: float) -> None:
+        """:meth:`finish` under the template of the route that handled (or would have handled)
+        the request."""
+        try:
+            route = route_template(scope)
+        except Exception as exc:  # observability must never fail a request
+            log.warning("request observation failed: %s", type(exc).__name__)
+            return
+        self.finish(scope, route, status, seconds)
+
+    def finish(self, scope: Scope, route: str, status: int, seconds: float) -> None:
+        """Record one answered request."""
+        try:
+            if self._record is not None:
+                self._record(route, scope["method"], status, seconds)
+            if self._access_log is not None:
+                self._access_log(scope, route, status, seconds)
+        except Exception as exc:  # observability must never fail a request
+            log.warning("request observation failed: %s", type(exc).__name__)
+
+
+class TimingMiddleware:
+    def __init__(self, app: ASGIApp, timer: RequestTimer) -> None:
+        self.app = app
+        self.timer = timer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,25 +88,14 @@ class TimingMiddleware:
         try:
             await self.app(scope, receive, send_noting_status)
         finally:
-            self._finish(scope, status, perf_counter() - started)
+            self.timer.finish_unrouted(scope, status, perf_counter() - started)
 
-    def _finish(self, scope: Scope, status: int, seconds: float) -> None:
-        try:
-            route = route_template(scope)
-        except Exception as exc:  # observability must never fail a request
-            log.warning("request observation failed: %s", type(exc).__name__)
-            return
-        self.finish(scope, route, status, seconds)
 
-    def finish(self, scope: Scope, route: str, status: int, seconds: float) -> None:
-        """Record one answered request (for callers that time requests themselves)."""
-        try:
-            if self._record is not None:
-                self._record(route, scope["method"], status, seconds)
-            if self._access_log is not None:
-                self._access_log(scope, route, status, seconds)
-        except Exception as exc:  # observability must never fail a request
-            log.warning("request observation failed: %s", type(exc).__name__)
+def timed(metrics: Metrics, app: ASGIApp, *, access_log: AccessLogSink | None = None) -> ASGIApp:
+    """Wrap ``app`` so every HTTP request is timed once and fed to the metrics and, when
+    given, the access log. With neither, ``app`` comes back unchanged (no cost at all)."""
+    timer = RequestTimer.of(metrics, access_log)
+    return app if timer is None else TimingMiddleware(app, timer)
 
 
 def route_template(scope: Scope) -> str:

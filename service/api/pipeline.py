@@ -1,24 +1,25 @@
-"""The crypto operations' single entry: ``POST /v1/{op}/{key}`` answered in one coroutine.
-
-Every request used to pass five ASGI layers (timing, request id, body limit, signature check,
-dispatch), each with its own pass over the headers, its own ``send`` or ``receive`` wrapper and
-its own coroutine, before a Starlette ``Request`` was built to read the body again. A crypto
-request needs none of that machinery: here it is matched with one split, its headers are read
-in one pass, and the same parts those layers use do the same checks, in the same order, with
-the same answers:
+"""The request pipeline: every HTTP request passes the same ordered checks, in one coroutine.
 
 1. request id (the client's ``X-Request-ID`` when sane, else a fresh one), echoed on the answer;
-2. body limit: 413 for a declared or actual body over ``max_body_bytes``;
-3. signature, replay and rate limit (:meth:`SignatureAuthMiddleware.authenticate`): 401 / 429
-   / 503;
-4. event-loop lag: 503 ``overloaded`` while the loop runs late (service/pool/lag.py);
-5. the operation (policy, body, crypto, audit): ``endpoint(scope, body, op, key)``;
-6. timing for the metrics and the access log, once, whatever the outcome; an unexpected error is
+2. body limit: 413 for a declared or actual body over ``max_body_bytes`` (the body is read
+   whole: the signature covers it);
+3. signature, replay and rate limit (:class:`~service.auth.authenticator.Authenticator`), for
+   the API's paths (``/v1/``): 401 / 429 / 503 / 415;
+4. the answer:
+
+   - a crypto operation (``POST /v1/{op}/{key}``): event-loop lag first (503 ``overloaded``
+     while the loop runs late, service/pool/lag.py), then ``endpoint(scope, body, op, key)``
+     (policy, body, crypto, audit), its JSON written here;
+   - any other request (key management, health, metrics, the OpenAPI document, wrong
+     methods): ``app``, FastAPI's stack, with the body handed on; its routes apply the client
+     policies (service/auth/policy.py);
+
+5. timing for the metrics and the access log, once, whatever the outcome; an unexpected error is
    logged by type and answered 500.
 
-Every other request (key management, health, the OpenAPI document, wrong methods) goes to
-``app``: the same layers as ASGI middleware, then FastAPI. The routes stay declared in FastAPI,
-so the OpenAPI document and the metrics' route labels are the same objects either way.
+The crypto operations skip FastAPI altogether: matched with one split, their headers read in
+one pass, no Starlette ``Request``. Their routes stay declared in FastAPI, so the OpenAPI
+document, the 405 answers and the metrics' route labels are the same objects either way.
 """
 
 from __future__ import annotations
@@ -29,10 +30,22 @@ from time import perf_counter
 from typing import Any
 
 from service.api.errors import send_cryptd_error
-from service.asgi import ASGIApp, Receive, Scope, Send, request_id_of, route_path, send_error
-from service.auth.middleware import REFUSED, WANTED_HEADERS, SignatureAuthMiddleware, add_field
+from service.api.timing import RequestTimer
+from service.asgi import (
+    ASGIApp,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    replay_body,
+    request_id_of,
+    route_path,
+    send_error,
+)
+from service.auth.authenticator import REFUSED, WANTED_HEADERS, Authenticator, add_field
+from service.auth.policy import is_protected
 from service.errors import CryptdError, Overloaded
-from service.metrics.middleware import TimingMiddleware
 from service.operations import OpName
 from service.pool import InFlight
 
@@ -45,36 +58,37 @@ for the error model. ``scope["state"]["client"]`` is the authenticated client.""
 _CONTENT_TYPE = (b"content-type", b"application/json")
 
 
-class CryptoDispatch:
+class RequestPipeline:
     def __init__(
         self,
         app: ASGIApp,
         *,
         endpoint: Endpoint,
         routes: Mapping[OpName, Any],
-        auth: SignatureAuthMiddleware | None = None,
+        authenticator: Authenticator | None = None,
         max_body_bytes: int = 1024 * 1024,
         on_body_rejected: Callable[[str], None] | None = None,
-        timing: TimingMiddleware | None = None,
+        timer: RequestTimer | None = None,
         overloaded: Callable[[], bool] = lambda: False,
         on_overload: Callable[[], None] | None = None,
         cheap: InFlight | None = None,
         costly: Callable[[str], bool] = lambda key: False,
     ) -> None:
-        """``app`` answers every other request. ``routes`` maps each operation to its FastAPI
-        route (set as ``scope["route"]``; its path is the metrics' label). ``auth`` checks the
-        signature (None: every crypto request is refused 401 by the endpoint's policy check);
-        ``timing`` is the metrics and access-log recorder (None: neither is on). While
-        ``overloaded()`` is true crypto requests are refused with 503 before any work;
-        ``on_overload`` counts them, ``on_body_rejected("body_size")`` counts 413s. ``cheap``
-        counts the requests in progress whose key is not ``costly(key)``: the ones costly
-        work on the loop yields to (service/pool/sliced.py)."""
+        """``app`` answers every request but the crypto operations. ``routes`` maps each
+        operation to its FastAPI route (set as ``scope["route"]``; its path is the metrics'
+        label). ``authenticator`` checks the signature (None: none is checked, and every
+        crypto request is refused 401 by the endpoint's policy check); ``timer`` is the metrics
+        and access-log recorder (None: neither is on). While ``overloaded()`` is true crypto
+        requests are refused with 503 before any work; ``on_overload`` counts them,
+        ``on_body_rejected("body_size")`` counts 413s. ``cheap`` counts the crypto requests in
+        progress whose key is not ``costly(key)``: the ones costly work on the loop yields to
+        (service/pool/sliced.py)."""
         self.app = app
         self.endpoint = endpoint
-        self.auth = auth
+        self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.on_body_rejected = on_body_rejected
-        self.timing = timing
+        self.timer = timer
         self.overloaded = overloaded
         self.on_overload = on_overload
         self.cheap = cheap
@@ -97,15 +111,17 @@ class CryptoDispatch:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        target = self.match(scope)
-        if target is None:
-            await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self._not_http(scope, receive, send)
             return
         started = perf_counter()
-        (operation, route), key = target
-        scope["route"] = route
-        scope["path_params"] = {"key": key}
-        # One pass over the headers for every layer: request id, declared length, signature.
+        target = self.match(scope)
+        route: Any = None
+        if target is not None:
+            (operation, route), key = target
+            scope["route"] = route
+            scope["path_params"] = {"key": key}
+        # One pass over the headers for every check: request id, declared length, signature.
         request_id = b""
         declared = -1
         headers: dict[str, str] = {}
@@ -130,7 +146,7 @@ class CryptoDispatch:
         response_started = False
 
         async def send_with_id(message: Any) -> None:
-            # Error answers (413, 401, 503, the error model) keep their shape; they get the id.
+            # Every answer but the crypto 200 (written below) passes here and gets the id.
             nonlocal status, response_started
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -139,21 +155,31 @@ class CryptoDispatch:
             await send(message)
 
         cheap = self.cheap
-        if cheap is not None and not self.costly(key):
+        if cheap is not None and target is not None and not self.costly(key):
             cheap.start()
         else:
             cheap = None
         try:
-            body = await self._read_body(receive, declared, send_with_id)
-            if body is None:
+            if declared > self.max_body_bytes:
+                await self._too_large(send_with_id)
                 return
-            auth = self.auth
-            if auth is not None:
+            try:
+                body = await read_body(receive, self.max_body_bytes)
+            except BodyTooLarge:
+                await self._too_large(send_with_id)
+                return
+            if body is None:  # the client went away
+                return
+            authenticator = self.authenticator
+            if authenticator is not None and (target is not None or is_protected(scope)):
                 try:
-                    await auth.authenticate(scope, headers, body)
+                    await authenticator.authenticate(scope, headers, body)
                 except REFUSED as exc:
-                    await auth.refuse(exc, scope, send_with_id)
+                    await send_error(send_with_id, *authenticator.refusal(exc, scope))
                     return
+            if target is None:
+                await self.app(scope, replay_body(body, receive), send_with_id)
+                return
             if self.overloaded():
                 if self.on_overload is not None:
                     self.on_overload()
@@ -179,6 +205,7 @@ class CryptoDispatch:
             )
             await send({"type": "http.response.body", "body": answer})
         except Exception as exc:
+            # Also what the app re-raises after answering 500: no traceback in the server log.
             log.error(
                 "request failed",
                 extra={"error_type": type(exc).__name__, "request_id": state["request_id"]},
@@ -189,34 +216,20 @@ class CryptoDispatch:
             ended = perf_counter()
             if cheap is not None:
                 cheap.end(ended)
-            if self.timing is not None:
-                self.timing.finish(scope, route.path, status, ended - started)
+            timer = self.timer
+            if timer is not None:
+                if route is not None:
+                    timer.finish(scope, route.path, status, ended - started)
+                else:
+                    timer.finish_unrouted(scope, status, ended - started)
 
-    async def _read_body(self, receive: Receive, declared: int, send: Send) -> bytes | None:
-        """The whole body, or None once answered 413 or the client went away."""
-        limit = self.max_body_bytes
-        if declared > limit:
-            await self._too_large(send)
-            return None
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False) and len(body) <= limit:
-            return body
-        chunks = [body]
-        size = len(body)
-        while message.get("more_body", False) and size <= limit:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            chunks.append(chunk)
-        if size > limit:
-            await self._too_large(send)
-            return None
-        return b"".join(chunks)
+    async def _not_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Lifespan goes to the app; so does a websocket, unless it needs authenticating: the
+        API has none, so one is never let through unsigned."""
+        if scope["type"] == "websocket" and self.authenticator is not None and is_protected(scope):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.app(scope, receive, send)
 
     async def _too_large(self, send: Send) -> None:
         if self.on_body_rejected is not None:
