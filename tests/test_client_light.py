@@ -131,7 +131,7 @@ def test_external_ciphertext_bytes_are_allowed_with_a_format(offline: CryptdClie
     call = _decrypt("sm2", b"\x04\x01", None, "sm2", None, None)
     assert call.payload == {"ciphertext": "BAE=", "format": "sm2"}
     with pytest.raises(TypeError, match="with format="):
-        _decrypt("k", bytearray(b"x"), None, None, None, None)
+        _decrypt("k", bytearray(b"x"), None, None, None, None)  # type: ignore[arg-type]
 
 
 def test_module_has_no_server_imports() -> None:

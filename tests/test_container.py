@@ -390,7 +390,7 @@ def tls_health_server(tmp_path: Path) -> Iterator[tuple[int, type[_Health], Path
     server.socket = context.wrap_socket(server.socket, server_side=True)
     # A failed handshake (plain HTTP sent to this port) is the client's problem, not a
     # traceback on the test's stderr.
-    server.handle_error = lambda request, address: None  # type: ignore[method-assign]
+    server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

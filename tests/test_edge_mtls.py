@@ -114,7 +114,7 @@ def start_mtls(directory: Path, env: dict[str, str], pki: Pki) -> Server:
         context.load_cert_chain(cert, key)
         return context
 
-    ssl.create_default_context = with_client_cert  # type: ignore[assignment]
+    ssl.create_default_context = with_client_cert
     try:
         return start_server(directory, env, ca_file=pki.root / "ca.crt")
     finally:

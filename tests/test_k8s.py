@@ -395,13 +395,14 @@ def test_schema_validation_rejects_mistakes() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
     certificate = one(load_docs(K8S / "base" / "certificate.yaml"), "Certificate", "cryptd-tls")
-    for mutate in (
+    mutations: tuple[Callable[[dict[str, Any]], object], ...] = (
         lambda c: c["spec"].update(dnsName=["cryptd"]),  # misspelled field
         lambda c: c["spec"]["privateKey"].update(algorithm="ECDSAX"),  # not an algorithm
         lambda c: c["spec"]["privateKey"].update(size="256"),  # wrong type
         lambda c: c["spec"]["usages"].append("server-auth"),  # not a usage
         lambda c: c["spec"].pop("issuerRef"),  # required
-    ):
+    )
+    for mutate in mutations:
         broken = copy.deepcopy(certificate)
         mutate(broken)
         with pytest.raises(jsonschema.ValidationError):

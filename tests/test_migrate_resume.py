@@ -62,7 +62,8 @@ def _committed(checkpoint: Path) -> int:
     except (FileNotFoundError, ValueError):
         return 0
     counts = data["committed"]["counts"]
-    return int(counts["migrated"]) + sum(counts["skipped"].values())
+    skipped: dict[str, int] = counts["skipped"]
+    return int(counts["migrated"]) + sum(skipped.values())
 
 
 def _wait_for_progress(checkpoint: Path, beyond: int, process: subprocess.Popen[bytes]) -> None:

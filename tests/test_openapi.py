@@ -38,7 +38,7 @@ def app_routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]
         (method, route.path)
         for route in _flatten(app.routes)
         if isinstance(route, APIRoute) and route.include_in_schema
-        for method in route.methods
+        for method in route.methods or ()
     }
 
 
