@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import Server
 
+pytestmark = pytest.mark.slow  # a live server
+
 ALL_TYPES = (
     "aes256-gcm",
     "sm4-gcm",

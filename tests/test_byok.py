@@ -29,6 +29,8 @@ from tests.conftest import Server
 from tests.test_api import assert_error
 from tests.test_api_parity import add_client
 
+pytestmark = pytest.mark.slow  # a live server
+
 OAEP = padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
 
 

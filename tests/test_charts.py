@@ -18,6 +18,8 @@ from service import bench
 from service.charts import bench_chart
 from service.cli.bench import _TITLES
 
+pytestmark = pytest.mark.slow  # benchmarks and matplotlib
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 

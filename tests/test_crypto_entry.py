@@ -20,6 +20,8 @@ import pytest
 from loadtest.hotpath import application, scope_for
 from service.auth.signature import sign_request
 
+pytestmark = pytest.mark.slow  # both request paths of the whole application, side by side
+
 Request = tuple[str, bytes, list[tuple[bytes, bytes]]]
 
 

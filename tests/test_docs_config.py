@@ -65,6 +65,7 @@ def test_docs_true_without_the_assets_package_fails_at_start(
         _production(tmp_path, docs=True)
 
 
+@pytest.mark.slow
 def test_serve_with_docs_true_without_the_extra_fails_once_before_any_worker(
     tmp_path: Path,
 ) -> None:

@@ -23,6 +23,8 @@ from service.keys.keyring import MAX_KEY_VERSION
 from tests.conftest import Server
 from tests.test_api import assert_error
 
+pytestmark = pytest.mark.slow  # a live server
+
 BODY = orjson.dumps({"plaintext": base64.b64encode(b"x").decode()})
 
 

@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import Server, start_server, stop_server
 from tests.rawhttp import RawResponse, ResponseReader, connect, exchange, head_bytes
 
+pytestmark = pytest.mark.slow  # live servers, waits out the read timeouts
+
 LIMIT = 16 * 1024  # the default CRYPTD_MAX_HEADER_BYTES
 
 

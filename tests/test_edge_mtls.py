@@ -25,6 +25,8 @@ from tests.conftest import Server, start_server, stop_server
 from tests.test_edge_tls import assert_clean_log, client_context, handshake
 from tests.test_edge_upgrade import require_tool
 
+pytestmark = pytest.mark.slow  # live TLS servers
+
 BODY = orjson.dumps({"plaintext": base64.b64encode(b"over mutual TLS").decode()})
 
 

@@ -28,6 +28,8 @@ from service.edge.tls import TLSFileError, TLSFiles, server_context
 from tests.conftest import Server, free_port, start_server, stop_server
 from tests.test_edge_upgrade import require_tool, run_java
 
+pytestmark = pytest.mark.slow  # live TLS servers
+
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

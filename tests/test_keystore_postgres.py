@@ -21,6 +21,8 @@ from service.keys.masterkey import MasterKey
 from service.keys.pgstore import PostgresKeyStore, connection_info, describe
 from service.keys.store import IntegrityError, KeystoreError, NotInitialised
 
+pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
+
 Rows = dict[str, list[tuple[Any, ...]]]
 
 

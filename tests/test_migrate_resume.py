@@ -41,6 +41,8 @@ from tests.migrate_support import (
     table_of,
 )
 
+pytestmark = pytest.mark.slow  # a live server, the migration tool interrupted and resumed
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:

@@ -25,6 +25,8 @@ from tests.migrate_support import (
     table_of,
 )
 
+pytestmark = pytest.mark.slow  # a live server, PostgreSQL and the migration tool
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:

@@ -66,6 +66,7 @@ def _contend(
     store.close()
 
 
+@pytest.mark.slow
 def test_processes_share_one_store_and_each_nonce_is_accepted_once(tmp_path: Path) -> None:
     _store(tmp_path).close()
     context = multiprocessing.get_context("spawn")
@@ -197,6 +198,7 @@ def _die_mid_write(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_write_leaves_the_store_usable(tmp_path: Path) -> None:
     store = _store(tmp_path)
     assert store.remember_now("a", "before", NOW, NOW)
@@ -336,6 +338,7 @@ def _drain(directory: str, results: Queue[int]) -> None:
     results.put(allowed)
 
 
+@pytest.mark.slow
 def test_rate_limit_buckets_are_shared_by_the_processes_of_the_host(tmp_path: Path) -> None:
     """Three processes drawing 40 tokens each from one bucket of 50: 50 in all, not 120."""
     context = multiprocessing.get_context("spawn")

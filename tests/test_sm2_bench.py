@@ -11,6 +11,8 @@ from service import bench
 from service.cli import main
 from service.cli.bench import render
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 
 def test_measure_counts_calls_on_one_and_several_threads() -> None:
     calls: list[int] = []

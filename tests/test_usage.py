@@ -26,6 +26,8 @@ from service.auth.signature import sign_request
 from tests.conftest import Server, connections_to_every_worker, start_server, stop_server
 from tests.test_keystore_support import replicas, wait_for
 
+pytestmark = pytest.mark.slow  # live servers of several workers, waiting for their flushes
+
 FAST = {"CRYPTD_USAGE_FLUSH_INTERVAL": "0.2"}
 PLAINTEXT = base64.b64encode(b"usage").decode()
 
