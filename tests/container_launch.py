@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import sys
+from typing import NoReturn
 
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
@@ -28,7 +29,7 @@ def _prctl(option: int, arg: int) -> None:
         raise OSError(error, f"prctl({option}, {arg}): {os.strerror(error)}")
 
 
-def main() -> int:
+def main() -> NoReturn:
     spec = json.loads(sys.argv[1])
     with open("/proc/sys/kernel/cap_last_cap") as fh:
         last_cap = int(fh.read())
@@ -45,8 +46,7 @@ def main() -> int:
     argv = spec["argv"]
     # PATH from the image's environment, searched inside the new root.
     os.execvpe(argv[0], argv, spec["env"])  # noqa: S606
-    return 127  # not reached
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -58,7 +58,7 @@ class Table:
 
     def create(
         self,
-        rows: Sequence[tuple[Any, str | None, bytes | None, bytes | None]],
+        rows: Sequence[tuple[Any, str | bytes | None, bytes | None, bytes | None]],
         *,
         id_type: str = "INTEGER",
         tok_type: str = "TEXT",

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import Server
 
+pytestmark = pytest.mark.slow  # a live server
+
 ALL_TYPES = (
     "aes256-gcm",
     "sm4-gcm",
@@ -178,7 +180,9 @@ def test_rsa_algorithms_and_ecdsa_encodings(server: Server) -> None:
         ("sm2", {"algorithm": "pss"}),
     ],
 )
-def test_options_for_the_wrong_key_type_are_400(server: Server, key: str, extra: dict) -> None:
+def test_options_for_the_wrong_key_type_are_400(
+    server: Server, key: str, extra: dict[str, str]
+) -> None:
     response = server.request("POST", f"/v1/sign/{key}", {"message": b64(b"m"), **extra})
     assert_error(response, 400, "invalid_request")
 

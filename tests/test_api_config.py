@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import Server, start_server, stop_server
 from tests.test_api import assert_error, b64
 
+pytestmark = pytest.mark.slow  # a live server for each configuration
+
 
 def cryptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -19,6 +19,8 @@ from service.auth.clients import generate_secret, write_document
 from tests.conftest import Server
 from tests.test_api import assert_error
 
+pytestmark = pytest.mark.slow  # a live server
+
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()

@@ -252,6 +252,7 @@ def test_cli_refuses_bad_input(
     assert "CRYPTD_CLIENTS_FILE" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_concurrent_adds_keep_every_client(tmp_path: Path) -> None:
     path = tmp_path / "clients.json"
     procs = [

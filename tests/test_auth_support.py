@@ -311,7 +311,7 @@ def make_app(
     failures: list[str] | None = None,
     rejections: list[str] | None = None,
     service: FakeService | None = None,
-    redis_client: Redis[bytes] | None = None,
+    redis_client: Redis | None = None,
 ) -> ASGIApp:
     """The app; ``redis_client`` (used by ``replay``) is closed at shutdown."""
     service = service or FakeService()

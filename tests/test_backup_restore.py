@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import Server, start_server, stop_server
 from tests.test_api import assert_error
 
+pytestmark = pytest.mark.slow  # two live servers
+
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()

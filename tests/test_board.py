@@ -33,6 +33,7 @@ def _raise_in_child(path: str, generation: int) -> None:
     board.close()
 
 
+@pytest.mark.slow
 def test_a_board_is_shared_by_processes_and_never_goes_down(tmp_path: Path) -> None:
     path = tmp_path / "keyring.board"
     board = Board(path)

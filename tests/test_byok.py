@@ -29,6 +29,8 @@ from tests.conftest import Server
 from tests.test_api import assert_error
 from tests.test_api_parity import add_client
 
+pytestmark = pytest.mark.slow  # a live server
+
 OAEP = padding.OAEP(mgf=padding.MGF1(hashes.SHA256()), algorithm=hashes.SHA256(), label=None)
 
 
@@ -230,7 +232,7 @@ def test_bad_wrapped_keys_are_400_and_store_nothing(server: Server) -> None:
         assert_error(response, 400, "invalid_request")
         assert text in response.json()["error"]["message"], what
         assert_error(server.request("GET", f"/v1/keys/{name}"), 404, "key_not_found")
-    refusals = [
+    refusals: list[tuple[dict[str, Any], str]] = [
         ({"type": "aes256-gcm", "ciphertext": byok_wrap(public, os.urandom(16))}, "32 bytes"),
         ({"type": "rsa-2048", "ciphertext": byok_wrap(public, material)}, "private key"),
         (
@@ -272,12 +274,12 @@ def test_bad_wrapped_keys_are_400_and_store_nothing(server: Server) -> None:
     assert_error(reserved, 400, "invalid_request")
     assert "reserved" in reserved.json()["error"]["message"]
     # The path is the wrapping key's: GET only.
-    for method, body in (
+    for method, payload in (
         ("POST", {"type": "aes256-gcm"}),
         ("PATCH", {"deletion_allowed": True}),
         ("DELETE", None),
     ):
-        refused = server.request(method, "/v1/keys/wrapping-key", body)
+        refused = server.request(method, "/v1/keys/wrapping-key", payload)
         assert_error(refused, 405, "method_not_allowed")
         assert refused.headers["allow"] == "GET, HEAD"
     ghost = server.request(

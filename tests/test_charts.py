@@ -17,6 +17,8 @@ from loadtest.algorithms import rates
 from loadtest.algorithms.table import TITLES
 from loadtest.charts import algorithms_chart, comparison_chart
 
+pytestmark = pytest.mark.slow  # benchmarks and matplotlib
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -29,6 +29,7 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, Any, 
     return status, json.loads(out.out) if out.out.strip() else None, out.err
 
 
+@pytest.mark.slow
 def test_call_new_operations(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
     cred = ["--credential", str(server.directory / "dev" / "client.json")]
     status, mac, _ = run(["call", "hmac", "hmac-sha256", "--data", "hello", *cred], capsys)
@@ -165,6 +166,7 @@ def test_keys_create_refuses_flags_the_type_cannot_have(
     assert "needs 'derived'" in err
 
 
+@pytest.mark.slow
 def test_call_import_backup_restore(
     server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

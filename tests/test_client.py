@@ -31,6 +31,8 @@ from cryptd_client import (
 from service.cli import main
 from tests.test_auth_support import FakeService, Server, free_port, make_app, standard_clients
 
+pytestmark = pytest.mark.slow  # a live server and the cryptd command
+
 
 class Env:
     def __init__(self, url: str, secrets: dict[str, str], service: FakeService, tmp: Path) -> None:

@@ -363,6 +363,7 @@ def _healthcheck(port: int, host: str = "0.0.0.0", **settings: str) -> int:
     return _run_healthcheck(port, host, **settings).returncode
 
 
+@pytest.mark.slow
 def test_healthcheck_follows_healthz(health_server: tuple[int, type[_Health]]) -> None:
     port, handler = health_server
     assert _healthcheck(port) == 0
@@ -390,7 +391,7 @@ def tls_health_server(tmp_path: Path) -> Iterator[tuple[int, type[_Health], Path
     server.socket = context.wrap_socket(server.socket, server_side=True)
     # A failed handshake (plain HTTP sent to this port) is the client's problem, not a
     # traceback on the test's stderr.
-    server.handle_error = lambda request, address: None  # type: ignore[method-assign]
+    server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -400,6 +401,7 @@ def tls_health_server(tmp_path: Path) -> Iterator[tuple[int, type[_Health], Path
         server.server_close()
 
 
+@pytest.mark.slow
 def test_healthcheck_speaks_https_when_the_server_does(
     tls_health_server: tuple[int, type[_Health], Path],
     health_server: tuple[int, type[_Health]],
@@ -437,6 +439,7 @@ def test_healthcheck_probes_loopback_for_wildcard_binds() -> None:
     assert health.probe_target({"CRYPTD_HOST": "10.1.2.3"}) == ("10.1.2.3", 8080)
 
 
+@pytest.mark.slow
 def test_shell_scripts_pass_shellcheck() -> None:
     result = subprocess.run(
         [tool("shellcheck"), "--shell=bash", *map(str, SHELL_SCRIPTS)],

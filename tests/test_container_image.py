@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -199,7 +199,8 @@ class Container:
     @property
     def ca_file(self) -> Path:
         """The CA of the server's certificate, on the host: the mounted TLS Secret's ca.crt."""
-        return self.work / "secrets" / _server_certificate()["spec"]["secretName"] / "ca.crt"
+        secret: str = _server_certificate()["spec"]["secretName"]
+        return self.work / "secrets" / secret / "ca.crt"
 
     def verify(self) -> ssl.SSLContext:
         """A client context trusting only the server's CA (hostname checked)."""
@@ -631,8 +632,9 @@ def test_image_installs_the_pinned_dependencies(image: Image) -> None:
     assert {name: installed.get(name) for name in pins} == pins
     # Anything beyond the pins is there only because the image's Python is older than the
     # tested one (docs/DEPLOY.md: Debian's 3.11.2 makes redis add async-timeout).
-    image_env = {**default_environment(), **_image_python(image), "extra": ""}
-    tested_env = {**default_environment(), "extra": ""}
+    environment = cast("dict[str, str]", default_environment())  # a TypedDict of strings
+    image_env = {**environment, **_image_python(image), "extra": ""}
+    tested_env = {**environment, "extra": ""}
     for name in set(installed) - set(pins):
         reasons = [
             r

@@ -21,6 +21,8 @@ import pytest
 from loadtest.hotpath import application, scope_for
 from service.auth.signature import sign_request
 
+pytestmark = pytest.mark.slow  # both request paths of the whole application, side by side
+
 Request = tuple[str, bytes, list[tuple[bytes, bytes]]]
 
 
@@ -286,10 +288,10 @@ async def test_the_app_shortens_the_gil_switch_interval(
 def test_pool_threads_follow_the_cpus_the_process_may_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from service import config
+    from service import config, cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3})
-    assert config.available_cpus() == 1
+    assert cpus.available_cpus() == 1
     monkeypatch.setenv("CRYPTD_ENV", "development")
     assert config.Settings(workers=1).pool_workers == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})

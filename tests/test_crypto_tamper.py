@@ -462,6 +462,7 @@ def unwrapped(ring: Ring, document: KeyringDocument) -> Iterable[tuple[str, int,
             yield name, version.version, material
 
 
+@pytest.mark.slow
 def test_keyring_file_holds_no_plaintext_material(ring: Ring) -> None:
     raw = ring.path.read_bytes()
     assert stat.S_IMODE(ring.path.stat().st_mode) == 0o600

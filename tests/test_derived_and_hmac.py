@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from service import operations
 from service.crypto.registry import KEY_TYPES
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
+from service.keys.filestore import FileKeyStore
 from service.keys.manager import KeyManager
 from service.keys.store import KeystoreError
 from tests.test_token import new_manager
@@ -176,6 +178,13 @@ def error(outcome: operations.Outcome, kind: type[CryptdError], text: str = "") 
     assert text in outcome.message
 
 
+def keyring_file(manager: KeyManager) -> Path:
+    """The file the keyring of a manager made on a file store is kept in."""
+    store = manager.store
+    assert isinstance(store, FileKeyStore)
+    return store.path
+
+
 def test_engine_mac_is_the_documented_tag(manager: KeyManager) -> None:
     hv = VECTORS["hmac-sha256"]
     result = ok(one(manager, "hmac", hv["name"], operations.HmacItem(h(hv["message"]))))
@@ -242,7 +251,7 @@ def test_hmac_rotation_versions_and_min_version(tmp_path: Path) -> None:
 
 
 def test_hmac_verify_tamper_is_false_never_an_error(manager: KeyManager) -> None:
-    mac = ok(one(manager, "hmac", "plain-hmac", operations.HmacItem(b"message")))["mac"]
+    mac: str = ok(one(manager, "hmac", "plain-hmac", operations.HmacItem(b"message")))["mac"]
     prefix, text = mac.rsplit(":", 1)
     tag = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     assert len(tag) == 64
@@ -564,10 +573,10 @@ def test_flags_the_type_cannot_have_are_refused(
     tmp_path: Path, type_name: str, derived: bool, convergent: bool, message: str
 ) -> None:
     manager = new_manager(tmp_path)
-    before = manager.store.path.read_bytes()
+    before = keyring_file(manager).read_bytes()
     with pytest.raises(InvalidRequest, match=message):
         manager.create("k", type_name, derived=derived, convergent=convergent)
-    assert manager.store.path.read_bytes() == before  # nothing stored
+    assert keyring_file(manager).read_bytes() == before  # nothing stored
 
 
 def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> None:
@@ -576,35 +585,36 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
     manager.create("p", "aes256-gcm")
     token = encrypt(manager, "c", b"x", context=b"t")
     master = manager._master
-    reloaded = KeyManager(manager.store.path, master)
+    reloaded = KeyManager(keyring_file(manager), master)
     reloaded.load()
     meta = reloaded.keyring.key("c").metadata()
     assert (meta["derived"], meta["convergent"]) == (True, True)
     assert (reloaded.keyring.key("p").metadata()["derived"]) is False
     assert ok(one(reloaded, "decrypt", "c", operations.DecryptItem(token, context=b"t")))
-    raw = json.loads(manager.store.path.read_text())
+    raw = json.loads(keyring_file(manager).read_text())
     assert raw["keys"]["c"]["derived"] is True
     assert raw["keys"]["c"]["convergent"] is True
     assert "derived" not in raw["keys"]["p"]  # written only when true
     # Clearing the flag (or setting one) without the master key breaks the MAC: refused.
-    for edit in (
+    edits: tuple[Callable[[dict[str, Any]], object], ...] = (
         lambda keys: keys["c"].pop("convergent"),
         lambda keys: keys["c"].update(derived=False),
         lambda keys: keys["p"].update(derived=True),
-    ):
-        changed = json.loads(manager.store.path.read_text())
+    )
+    for edit in edits:
+        changed = json.loads(keyring_file(manager).read_text())
         edit(changed["keys"])
-        manager.store.path.write_text(json.dumps(changed))
+        keyring_file(manager).write_text(json.dumps(changed))
         with pytest.raises(KeystoreError, match="integrity"):
-            KeyManager(manager.store.path, master).load()
-        manager.store.path.write_text(json.dumps(raw))
+            KeyManager(keyring_file(manager), master).load()
+        keyring_file(manager).write_text(json.dumps(raw))
     for bad in ("yes", 1, None):
-        changed = json.loads(manager.store.path.read_text())
+        changed = json.loads(keyring_file(manager).read_text())
         changed["keys"]["c"]["derived"] = bad
-        manager.store.path.write_text(json.dumps(changed))
+        keyring_file(manager).write_text(json.dumps(changed))
         with pytest.raises(KeystoreError):
-            KeyManager(manager.store.path, master).load()
-    manager.store.path.write_text(json.dumps(raw))
+            KeyManager(keyring_file(manager), master).load()
+    keyring_file(manager).write_text(json.dumps(raw))
 
 
 def test_batch_of_contexts_one_bad_item(manager: KeyManager) -> None:

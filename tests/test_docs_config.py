@@ -63,3 +63,49 @@ def test_docs_true_without_the_assets_package_fails_at_start(
     monkeypatch.setitem(sys.modules, "fastapi_offline", None)  # as if not installed
     with pytest.raises(DocsUnavailable, match="cryptd\\[docs\\]"):
         _production(tmp_path, docs=True)
+
+
+@pytest.mark.slow
+def test_serve_with_docs_true_without_the_extra_fails_once_before_any_worker(
+    tmp_path: Path,
+) -> None:
+    """``cryptd serve`` with CRYPTD_DOCS=true where fastapi-offline cannot be imported (a
+    package of that name ahead on the path that raises ImportError): one error line naming
+    the extra, exit status 2, before any worker starts (no traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    master = secrets.token_bytes(32)
+    (tmp_path / "master.key").write_text(base64.b64encode(master).decode())
+    create_keyring_file(tmp_path / "keyring.json", MasterKey(master))
+    write_document(tmp_path / "clients.json", {"clients": {"ops": {"secret": generate_secret()}}})
+    shadow = tmp_path / "shadow" / "fastapi_offline"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("fastapi-offline is not installed")\n')
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(root)]),
+        "CRYPTD_ENV": "production",
+        "CRYPTD_TLS": "off",
+        "CRYPTD_MASTER_KEY_FILE": str(tmp_path / "master.key"),
+        "CRYPTD_KEYRING_FILE": str(tmp_path / "keyring.json"),
+        "CRYPTD_CLIENTS_FILE": str(tmp_path / "clients.json"),
+        "CRYPTD_AUDIT_LOG": "off",
+        "CRYPTD_WORKERS": "2",
+        "CRYPTD_DOCS": "true",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "cryptd: error: CRYPTD_DOCS=true: the documentation pages need their assets: "
+        "pip install 'cryptd[docs]'"
+    ]

@@ -16,6 +16,8 @@ import pytest
 from service.api import spec
 from tests.conftest import Server
 
+pytestmark = pytest.mark.slow  # Chromium and a live server
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 

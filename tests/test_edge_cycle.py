@@ -20,6 +20,8 @@ import pytest
 from tests.conftest import free_port
 from tests.edge_cycle_app import BODY, CASES, LENGTH, REFUSED
 
+pytestmark = pytest.mark.slow  # live servers: cryptd's and uvicorn's
+
 _DATE = re.compile(rb"\r\ndate: [^\r]*\r\n")
 
 

@@ -23,10 +23,14 @@ from service.keys.keyring import MAX_KEY_VERSION
 from tests.conftest import Server
 from tests.test_api import assert_error
 
+pytestmark = pytest.mark.slow  # a live server
+
 BODY = orjson.dumps({"plaintext": base64.b64encode(b"x").decode()})
 
 
-def sign_over(path: str, body: bytes, client_id: str, secret: bytes, content_type: str) -> dict:
+def sign_over(
+    path: str, body: bytes, client_id: str, secret: bytes, content_type: str
+) -> dict[str, str]:
     """Signature headers of a POST whose covered Content-Type is ``content_type`` (the signing
     recipe of docs/AUTH.md, any media type)."""
     params = serialize_signature_params(

@@ -10,12 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 
 from tests.conftest import Server, start_server, stop_server
 from tests.rawhttp import RawResponse, ResponseReader, connect, exchange, head_bytes
+
+pytestmark = pytest.mark.slow  # live servers, waits out the read timeouts
 
 LIMIT = 16 * 1024  # the default CRYPTD_MAX_HEADER_BYTES
 
@@ -260,7 +263,7 @@ def test_slowloris_is_cut_off_while_others_are_served(own_server: Callable[..., 
         next_line = opened + 2
         while len(closed_at) < count and time.monotonic() - opened < 20:
             for key, _ in selector.select(timeout=0.2):
-                sock = key.fileobj
+                sock = cast(socket.socket, key.fileobj)  # the selector holds only sockets
                 assert isinstance(sock, socket.socket)
                 try:
                     data = sock.recv(65536)

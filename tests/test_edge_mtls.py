@@ -25,6 +25,8 @@ from tests.conftest import Server, start_server, stop_server
 from tests.test_edge_tls import assert_clean_log, client_context, handshake
 from tests.test_edge_upgrade import require_tool
 
+pytestmark = pytest.mark.slow  # live TLS servers
+
 BODY = orjson.dumps({"plaintext": base64.b64encode(b"over mutual TLS").decode()})
 
 
@@ -114,7 +116,7 @@ def start_mtls(directory: Path, env: dict[str, str], pki: Pki) -> Server:
         context.load_cert_chain(cert, key)
         return context
 
-    ssl.create_default_context = with_client_cert  # type: ignore[assignment]
+    ssl.create_default_context = with_client_cert
     try:
         return start_server(directory, env, ca_file=pki.root / "ca.crt")
     finally:

@@ -19,6 +19,8 @@ from service.auth.signature import sign_request
 from tests.conftest import Server
 from tests.rawhttp import ResponseReader, connect, exchange, head_bytes
 
+pytestmark = pytest.mark.slow  # live servers, Java and curl clients
+
 JAVA_SOURCE = Path(__file__).parent / "java" / "SignedCalls.java"
 H2C = {
     "Connection": "Upgrade, HTTP2-Settings",

@@ -17,6 +17,8 @@ import pytest
 from service.auth.signature import sign_request
 from tests.conftest import Server, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # live servers
+
 RECORD_HEADER = 5  # content type, legacy version, length
 APPLICATION_DATA = 23
 

@@ -292,6 +292,7 @@ def test_every_file_a_kustomization_names_exists_and_parses(directory: Path) -> 
     assert not unlisted, f"files no kustomization uses: {sorted(map(str, unlisted))}"
 
 
+@pytest.mark.slow
 def test_yamllint_is_clean() -> None:
     targets = [str(K8S / d) for d in ("base", "redis", "overlays")] + [str(ROOT / ".yamllint")]
     result = subprocess.run(
@@ -302,6 +303,7 @@ def test_yamllint_is_clean() -> None:
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.slow
 def test_yamllint_config_catches_what_it_should(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("key: yes\nmode: 0440\nlist:\n- a\n-   b \n")
@@ -359,6 +361,7 @@ def _validate(doc: Doc, version: str) -> None:
     kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(K8S)))
 def test_manifest_matches_the_kubernetes_schema(path: Path, version: str) -> None:
@@ -366,6 +369,7 @@ def test_manifest_matches_the_kubernetes_schema(path: Path, version: str) -> Non
         _validate(doc, version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
 def test_kustomize_output_matches_the_kubernetes_schema(directory: Path, version: str) -> None:
@@ -375,6 +379,7 @@ def test_kustomize_output_matches_the_kubernetes_schema(directory: Path, version
         _validate(doc, version)
 
 
+@pytest.mark.slow
 def test_schema_validation_rejects_mistakes() -> None:
     deployment = server(render_from_files(OVERLAYS[0]))
     typo = copy.deepcopy(deployment)
@@ -395,13 +400,14 @@ def test_schema_validation_rejects_mistakes() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
     certificate = one(load_docs(K8S / "base" / "certificate.yaml"), "Certificate", "cryptd-tls")
-    for mutate in (
+    mutations: tuple[Callable[[dict[str, Any]], object], ...] = (
         lambda c: c["spec"].update(dnsName=["cryptd"]),  # misspelled field
         lambda c: c["spec"]["privateKey"].update(algorithm="ECDSAX"),  # not an algorithm
         lambda c: c["spec"]["privateKey"].update(size="256"),  # wrong type
         lambda c: c["spec"]["usages"].append("server-auth"),  # not a usage
         lambda c: c["spec"].pop("issuerRef"),  # required
-    ):
+    )
+    for mutate in mutations:
         broken = copy.deepcopy(certificate)
         mutate(broken)
         with pytest.raises(jsonschema.ValidationError):

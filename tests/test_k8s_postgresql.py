@@ -60,6 +60,7 @@ def test_shared_review(rendered: list[Doc], check: Callable[[list[Doc]], None]) 
     check(rendered)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", k8s.K8S_VERSIONS)
 def test_output_matches_the_kubernetes_schema(rendered: list[Doc], version: str) -> None:
     for doc in rendered:

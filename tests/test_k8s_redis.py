@@ -54,7 +54,7 @@ def local_url(secrets: Secrets, port: int, password: str | None = None) -> str:
 
 
 @contextlib.asynccontextmanager
-async def cryptd_client(secrets_and_port: tuple[Secrets, int]) -> AsyncIterator[Redis[bytes]]:
+async def cryptd_client(secrets_and_port: tuple[Secrets, int]) -> AsyncIterator[Redis]:
     """A client made the way cryptd makes it, from the URL in the Secret."""
     secrets, port = secrets_and_port
     connection = redis_client.connect(local_url(secrets, port))

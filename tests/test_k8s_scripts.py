@@ -26,6 +26,8 @@ from tests.test_k8s_support import (
     write_executable,
 )
 
+pytestmark = pytest.mark.slow  # the operator scripts run for real
+
 MAKE_SECRETS = K8S / "scripts" / "make-secrets.sh"
 ROTATE = K8S / "scripts" / "rotate-key.sh"
 

@@ -23,6 +23,8 @@ from service.api import responses
 from tests.conftest import POSTGRES_DSN, Server, start_server, stop_server
 from tests.test_keystore_support import wait_for
 
+pytestmark = pytest.mark.slow  # live servers on the keyring file and on PostgreSQL
+
 WAITING_PERIOD = 5  # seconds: CRYPTD_DELETION_WAITING_PERIOD of the servers here (long enough
 # for the state matrix to finish with its keys pending, on a busy machine too)
 

@@ -26,6 +26,8 @@ from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore, KeystoreError
 
+pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
+
 # docs/FORMAT.md section 6, "Vector": a keyring written before key states existed.
 VECTOR_MASTER = bytes.fromhex("202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f")
 VECTOR_KEYRING = {

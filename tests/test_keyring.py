@@ -139,6 +139,7 @@ def test_auto_rotate_period_bounds(tmp_path: Path) -> None:
     assert manager.update("hourly", auto_rotate_period=0).auto_rotate_period == 0
 
 
+@pytest.mark.slow
 def test_due_keys_rotate_once_and_the_activation_delay_holds(tmp_path: Path) -> None:
     manager, master, path = fresh(tmp_path, min_auto_rotate_period=1, activation_delay=600)
     # Versions are dated in whole seconds (rounded down), so a version made at x.999 s is due a
@@ -158,6 +159,7 @@ def test_due_keys_rotate_once_and_the_activation_delay_holds(tmp_path: Path) -> 
     assert manager.keyring["k"].active_version() == 1
 
 
+@pytest.mark.slow
 def test_a_rotation_lock_held_elsewhere_skips_the_round(tmp_path: Path) -> None:
     manager, _, _ = fresh(tmp_path, min_auto_rotate_period=1)
     manager.create("k", "aes256-gcm", auto_rotate_period=1)

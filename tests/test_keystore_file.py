@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 Json = dict[str, object]
 
 
-def management_calls(server: Server) -> list[tuple[str, Callable[[], object]]]:
+def management_calls(server: Server) -> list[tuple[str, Callable[[], httpx.Response]]]:
     """Every key-management write, each aimed at something that would succeed on a sound
     keyring."""
     return [

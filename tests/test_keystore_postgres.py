@@ -21,6 +21,8 @@ from service.keys.masterkey import MasterKey
 from service.keys.pgstore import PostgresKeyStore, connection_info, describe
 from service.keys.store import IntegrityError, KeystoreError, NotInitialised
 
+pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
+
 Rows = dict[str, list[tuple[Any, ...]]]
 
 
@@ -59,7 +61,7 @@ def manager_for(url: str, master: MasterKey, **options: Any) -> KeyManager:
 
 def sql(url: str, statement: str, params: tuple[Any, ...] = ()) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(statement, params)  # type: ignore[arg-type]
+        conn.execute(statement, params)
 
 
 def rows(url: str) -> Rows:
@@ -451,7 +453,7 @@ def test_production_refuses_a_remote_store_without_tls_verification(
     from service.config import Settings
 
     monkeypatch.delenv("PGSSLMODE", raising=False)
-    options = {
+    options: dict[str, Any] = {
         "env": "production",
         "master_key": "x" * 44,
         "clients_file": "clients.json",

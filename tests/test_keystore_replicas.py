@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -162,10 +163,7 @@ def test_postgres_stopped_under_load(tmp_path: Path, redis_url: str) -> None:
             wait_for(lambda: sum(outcomes.values()) > 50, what="load to start")
             cluster.stop()
             for server in (a, b):
-                wait_for(
-                    lambda server=server: degraded(server),
-                    what="the replica to notice",
-                )
+                wait_for(partial(degraded, server), what="the replica to notice")
                 refused = server.request("POST", "/v1/keys/during", {"type": "aes256-gcm"})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "keystore_unavailable"
@@ -177,13 +175,11 @@ def test_postgres_stopped_under_load(tmp_path: Path, redis_url: str) -> None:
 
             cluster.start()
             for server in (a, b):
-                wait_for(
-                    lambda server=server: (
-                        server.request("GET", "/readyz").json()["status"] == "ready"
-                    ),
-                    timeout=30,
-                    what="recovery",
-                )
+
+                def ready(server: Server = server) -> bool:
+                    return bool(server.request("GET", "/readyz").json()["status"] == "ready")
+
+                wait_for(ready, timeout=30, what="recovery")
             created = a.request("POST", "/v1/keys/after", {"type": "aes256-gcm"})
             assert created.status_code == 201, created.text
             assert encrypt(b, "after").status_code == 200

@@ -172,6 +172,7 @@ def test_auth_cost_measures_real_verification() -> None:
 # Against a real server
 
 
+@pytest.mark.slow
 def test_open_loop_sends_the_schedule_signed(server: Server) -> None:
     endpoint = BY_NAME["ed25519-sign"].cryptd
     body = orjson.dumps(endpoint.body(None))
@@ -192,6 +193,7 @@ def test_open_loop_sends_the_schedule_signed(server: Server) -> None:
     assert result.server_cpu_s > 0
 
 
+@pytest.mark.slow
 def test_open_loop_counts_refusals_as_errors(server: Server) -> None:
     endpoint = BY_NAME["ed25519-sign"].cryptd
     body = orjson.dumps(endpoint.body(None))
@@ -208,6 +210,7 @@ def test_open_loop_counts_refusals_as_errors(server: Server) -> None:
     assert result.errors == 19
 
 
+@pytest.mark.slow
 def test_a_started_target_answers_signed_requests_at_once(tmp_path: Path, redis_url: str) -> None:
     # A Redis database whose replay epoch is new: requests signed in the first seconds are
     # refused (503, docs/AUTH.md), and the runner signs as soon as a target has started.
@@ -231,6 +234,7 @@ def test_a_started_target_answers_signed_requests_at_once(tmp_path: Path, redis_
             client.delete("cryptd:nonce:epoch")
 
 
+@pytest.mark.slow
 def test_keepalive_probe(server: Server) -> None:
     host = server.url.removeprefix("http://")
     trip = keepalive_round_trip(
@@ -376,6 +380,7 @@ def test_reproduce_command_leaves_out_only_output_files() -> None:
     )
 
 
+@pytest.mark.slow
 def test_sweep_measures_configurations_side_by_side(tmp_path: Path) -> None:
     """Two cryptd configurations and OpenBao, one short round of the mix: every target's
     streams measured, the goals computed against the OpenBao of the same round; a
@@ -483,6 +488,7 @@ async def test_the_bare_app_answers_a_fixed_body_after_reading_the_request() -> 
     assert 1300 <= len(bare.BODY) <= 1500
 
 
+@pytest.mark.slow
 def test_hot_path_benchmark_measures_the_real_application() -> None:
     (row,) = hotpath.measure(["aes-encrypt"], requests=40, repeats=1, warmup=10, concurrency=4)
     assert row.scenario == "aes-encrypt"

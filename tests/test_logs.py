@@ -286,6 +286,7 @@ def test_access_log_reads_the_auth_layers_client_id(
     assert line["key"] is None
 
 
+@pytest.mark.slow
 def test_two_processes_sharing_a_pipe_never_interleave_inside_a_line() -> None:
     """Like several workers on the container's stderr: each writes batches far larger than
     PIPE_BUF, which the writer cuts at line boundaries into atomic pipe writes."""

@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.metrics import init_multiprocess_dir, mark_worker_dead, render_directory
 from service.metrics.window import RELATIVE_ACCURACY
 
+pytestmark = pytest.mark.slow  # several processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A worker process: records what it is told, publishes, then exits, hangs (to be killed) or

@@ -20,6 +20,8 @@ from cryptd_client import CryptdClient, DecryptResult
 from tests.conftest import Server
 from tests.migrate_support import client, encrypt, migrate_command, new_key, run_migrate
 
+pytestmark = pytest.mark.slow  # a live server and the migration tool
+
 
 @pytest.fixture
 def cryptd(server: Server) -> Iterator[CryptdClient]:

@@ -41,6 +41,8 @@ from tests.migrate_support import (
     table_of,
 )
 
+pytestmark = pytest.mark.slow  # a live server, the migration tool interrupted and resumed
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
@@ -62,7 +64,8 @@ def _committed(checkpoint: Path) -> int:
     except (FileNotFoundError, ValueError):
         return 0
     counts = data["committed"]["counts"]
-    return int(counts["migrated"]) + sum(counts["skipped"].values())
+    skipped: dict[str, int] = counts["skipped"]
+    return int(counts["migrated"]) + sum(skipped.values())
 
 
 def _wait_for_progress(checkpoint: Path, beyond: int, process: subprocess.Popen[bytes]) -> None:

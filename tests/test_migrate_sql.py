@@ -25,6 +25,8 @@ from tests.migrate_support import (
     table_of,
 )
 
+pytestmark = pytest.mark.slow  # a live server, PostgreSQL and the migration tool
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
@@ -187,7 +189,7 @@ def test_rows_sharing_an_id_are_reported_and_left_alone(
     source, target = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
     plaintexts = [f"p{i}".encode() for i in range(60)]
     tokens = encrypt(cryptd, source, plaintexts, [None] * 60)
-    ids = [i // 2 if 20 <= i < 26 else i for i in range(60)]  # ids 10, 11, 12 twice
+    ids: list[int | None] = [i // 2 if 20 <= i < 26 else i for i in range(60)]  # 10-12 twice
     ids += [None, None]
     rows = [(ids[i], tokens[i], plaintexts[i], None) for i in range(60)]
     rows += [(None, tokens[0], plaintexts[0], None)] * 2  # NULL ids

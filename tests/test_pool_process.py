@@ -26,6 +26,8 @@ import pytest_asyncio
 from service.errors import DecryptionFailed, Internal, KeyNotFound, Overloaded
 from service.pool import ProcessExecutor, WorkerStartError
 
+pytestmark = pytest.mark.slow  # worker processes started, killed and replaced
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # -- task functions (run in the workers) ------------------------------------------------------

@@ -124,9 +124,10 @@ async def _share_run(
         try:
             if cheap_step is None:
                 await done.wait()
-            while not done.is_set():
-                spin(cheap_step, 0)
-                await asyncio.sleep(0)
+            else:
+                while not done.is_set():
+                    spin(cheap_step, 0)
+                    await asyncio.sleep(0)
         finally:
             cheap.end()
 

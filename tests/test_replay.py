@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -130,23 +131,25 @@ async def test_redis_epoch_is_set_once_and_refuses_what_was_signed_before_it() -
         before = _now()
         with pytest.raises(StoreRecovering) as refused:
             await store.remember("app", "n1", before, 300)
-        epoch = int(await client.get(f"{prefix}epoch"))
+        epoch = int(cast(bytes, await client.get(f"{prefix}epoch")))
         assert before < epoch <= before + 2  # Redis's clock, rounded up
         assert refused.value.retry_after == epoch + 5 - before
         assert await client.exists(f"{prefix}app:n1") == 0
         await client.expire(f"{prefix}epoch", 600)  # the test's keys go away by themselves
         # In one batch: the early one refused, the late one stored, the late one's copy a replay.
-        results = await asyncio.gather(
-            store.remember("app", "n2", epoch + 4, 300),
-            store.remember("app", "n3", epoch + 5, 300),
-            store.remember("app", "n3", epoch + 5, 300),
-            return_exceptions=True,
+        results = list(
+            await asyncio.gather(
+                store.remember("app", "n2", epoch + 4, 300),
+                store.remember("app", "n3", epoch + 5, 300),
+                store.remember("app", "n3", epoch + 5, 300),
+                return_exceptions=True,
+            )
         )
         assert isinstance(results[0], StoreRecovering)
         assert results[0].retry_after == 1
         assert results[1:] == [True, False]
         # The epoch is never moved by later calls.
-        assert int(await client.get(f"{prefix}epoch")) == epoch
+        assert int(cast(bytes, await client.get(f"{prefix}epoch"))) == epoch
     finally:
         await client.delete(f"{prefix}app:n3")
         await store.aclose()

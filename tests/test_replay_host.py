@@ -10,6 +10,7 @@ import os
 import signal
 import stat
 import time
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import lmdb
@@ -56,17 +57,20 @@ def test_remembered_across_reopen(tmp_path: Path) -> None:
     again.close()
 
 
-def _contend(directory: str, worker: int, nonces: int, results: multiprocessing.Queue) -> None:
+def _contend(
+    directory: str, worker: int, nonces: int, results: Queue[tuple[int, list[int]]]
+) -> None:
     store = HostReplayStore(Path(directory))
     accepted = [n for n in range(nonces) if store.remember_now("app", f"n{n}", NOW, NOW)]
     results.put((worker, accepted))
     store.close()
 
 
+@pytest.mark.slow
 def test_processes_share_one_store_and_each_nonce_is_accepted_once(tmp_path: Path) -> None:
     _store(tmp_path).close()
     context = multiprocessing.get_context("spawn")
-    results: multiprocessing.Queue = context.Queue()
+    results: Queue[tuple[int, list[int]]] = context.Queue()
     nonces = 4000
     processes = [
         context.Process(target=_contend, args=(str(tmp_path), w, nonces, results)) for w in range(3)
@@ -194,6 +198,7 @@ def _die_mid_write(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_write_leaves_the_store_usable(tmp_path: Path) -> None:
     store = _store(tmp_path)
     assert store.remember_now("a", "before", NOW, NOW)
@@ -321,7 +326,7 @@ def test_lmdb_version_has_robust_locks() -> None:
     assert lmdb.version() >= (0, 9, 17)
 
 
-def _drain(directory: str, results: multiprocessing.Queue) -> None:
+def _drain(directory: str, results: Queue[int]) -> None:
     limiter = HostRateLimiter(Path(directory), rate=0.001, burst=50)
     allowed = 0
     for _ in range(40):
@@ -333,10 +338,11 @@ def _drain(directory: str, results: multiprocessing.Queue) -> None:
     results.put(allowed)
 
 
+@pytest.mark.slow
 def test_rate_limit_buckets_are_shared_by_the_processes_of_the_host(tmp_path: Path) -> None:
     """Three processes drawing 40 tokens each from one bucket of 50: 50 in all, not 120."""
     context = multiprocessing.get_context("spawn")
-    results: multiprocessing.Queue = context.Queue()
+    results: Queue[int] = context.Queue()
     processes = [context.Process(target=_drain, args=(str(tmp_path), results)) for _ in range(3)]
     for process in processes:
         process.start()

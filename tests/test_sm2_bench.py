@@ -11,6 +11,8 @@ from loadtest.algorithms import rates
 from loadtest.algorithms.table import render
 from service.cli import main
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 
 def test_measure_counts_calls_on_one_and_several_threads() -> None:
     calls: list[int] = []

@@ -23,6 +23,8 @@ from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from tests.conftest import Server, free_port, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # server workers started, killed and replaced
+
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

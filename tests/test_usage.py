@@ -26,6 +26,8 @@ from service.auth.signature import sign_request
 from tests.conftest import Server, connections_to_every_worker, start_server, stop_server
 from tests.test_keystore_support import replicas, wait_for
 
+pytestmark = pytest.mark.slow  # live servers of several workers, waiting for their flushes
+
 FAST = {"CRYPTD_USAGE_FLUSH_INTERVAL": "0.2"}
 PLAINTEXT = base64.b64encode(b"usage").decode()
 
@@ -76,7 +78,11 @@ def settle_everywhere(server: Server, key: str, check: Callable[[dict[int, Any]]
     """Wait until every worker's answer passes ``check``: the others have flushed too."""
     with connections_to_every_worker(server, 2) as clients:
         for client in clients.values():
-            settle(lambda c=client: check(worker_versions(c, server, key)))
+
+            def flushed(c: httpx.Client = client) -> bool:
+                return check(worker_versions(c, server, key))
+
+            settle(flushed)
 
 
 def settle(condition: Callable[[], bool]) -> None:
@@ -186,7 +192,11 @@ def test_versions_are_counted_apart(two_workers: Server) -> None:
     assert server.request("POST", "/v1/keys/sm4-gcm/rotate").status_code == 200
     with connections_to_every_worker(server, 2) as clients:  # both have reloaded it
         for client in clients.values():
-            settle(lambda c=client: latest_version(c, server, "sm4-gcm") == 2)
+
+            def reloaded(c: httpx.Client = client) -> bool:
+                return latest_version(c, server, "sm4-gcm") == 2
+
+            settle(reloaded)
     for _ in range(3):
         new = server.request("POST", "/v1/encrypt/sm4-gcm", {"plaintext": PLAINTEXT}).json()
         assert new["key_version"] == 2
@@ -201,8 +211,8 @@ def test_versions_are_counted_apart(two_workers: Server) -> None:
     assert usage[2]["operations"]["rewrap_from"] == 0
     # The light client reads the same.
     secret = base64.b64encode(server.secret).decode()
-    with CryptdClient(server.url, server.client_id, secret) as client:
-        described = client.get_key("sm4-gcm")
+    with CryptdClient(server.url, server.client_id, secret) as light:
+        described = light.get_key("sm4-gcm")
     seen = {v.version: v.usage for v in described.versions}
     assert seen[2] is not None
     assert seen[2].operations["encrypt"] == 3

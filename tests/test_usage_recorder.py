@@ -254,6 +254,7 @@ def _add_once(path: Path, start: Any, outcomes: Any) -> None:
         store.close()
 
 
+@pytest.mark.slow
 def test_workers_opening_a_new_file_at_once_all_store_their_counts(tmp_path: Path) -> None:
     # The workers of a host flush for the first time together (at shutdown, with a long
     # interval): switching the new file to WAL mode must not fail for the slower ones.

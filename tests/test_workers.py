@@ -30,6 +30,8 @@ from tests.conftest import (
     stop_server,
 )
 
+pytestmark = pytest.mark.slow  # live servers of several workers
+
 
 def _replay_to_each(server: Server, workers: int) -> list[int]:
     """The same signed request, sent once to every worker; the statuses, in worker order."""

@@ -198,6 +198,19 @@ def _open_replay_store(settings: Settings, dev_created: bool) -> None:
     store.close()
 
 
+def _check_docs_assets(settings: Settings) -> None:
+    """CRYPTD_DOCS=true needs the docs extra: one error line here rather than the app
+    factory's traceback in every worker."""
+    if settings.docs is not True:
+        return
+    from service.api.docs import DocsUnavailable, assets_directory
+
+    try:
+        assets_directory()
+    except DocsUnavailable as exc:
+        raise ValueError(f"CRYPTD_DOCS=true: {exc}") from None
+
+
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
@@ -229,6 +242,7 @@ def serve(args: argparse.Namespace) -> int:
     _prepare_runtime_dir()
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
+    _check_docs_assets(settings)
     _verify_key_store(settings, settings.load_master_key())
     # Every worker sees the count the supervisor starts (and sizes its pool by it).
     os.environ["CRYPTD_WORKERS"] = str(settings.workers)
