@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from service.edge import protocol as edge_protocol
+from service.edge import response as edge_response
 from service.edge.protocol import EdgeLimits, EdgeProtocol
 from service.edge.server import STARTUP_FAILURE, EdgeConfig, EdgeServer
 
@@ -168,7 +168,7 @@ def _parameters(function: Callable[..., Any]) -> list[str]:
 
 def test_the_edge_subclasses_uvicorns_httptools_protocol_and_cycle() -> None:
     assert issubclass(EdgeProtocol, HttpToolsProtocol)
-    assert issubclass(edge_protocol._EdgeCycle, RequestResponseCycle)
+    assert issubclass(edge_response.EdgeCycle, RequestResponseCycle)
     assert issubclass(EdgeConfig, uvicorn.Config)
     assert issubclass(EdgeServer, uvicorn.Server)
 
@@ -224,15 +224,15 @@ def test_flow_control_the_edge_reads() -> None:
 
 
 def test_httptools_module_constants_the_fast_path_copies() -> None:
-    # _EdgeCycle writes heads itself and must refuse exactly what uvicorn's send refuses.
+    # EdgeCycle writes heads itself and must refuse exactly what uvicorn's send refuses.
     assert HEADER_RE.search(b"x-name") is None
     assert HEADER_RE.search(b"bad name") is not None
     assert HEADER_VALUE_RE.search(b"a value\t") is None
     assert HEADER_VALUE_RE.search(b"a\nvalue") is not None
     assert set(STATUS_LINE) == set(range(100, 600))
     assert STATUS_LINE[200] == b"HTTP/1.1 200 OK\r\n"
-    assert edge_protocol._search_name == HEADER_RE.search
-    assert edge_protocol._search_value == HEADER_VALUE_RE.search
+    assert edge_response._search_name == HEADER_RE.search
+    assert edge_response._search_value == HEADER_VALUE_RE.search
 
 
 def test_server_state_the_edge_reads() -> None:
