@@ -18,8 +18,9 @@ from service.keys.admin import TargetNotEmpty, copy_keyring, initialise
 from service.keys.filestore import FileKeyStore
 from service.keys.manager import KeyManager, create_keyring_file
 from service.keys.masterkey import MasterKey
-from service.keys.pgstore import PostgresKeyStore, connection_info, describe
+from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import IntegrityError, KeystoreError, NotInitialised
+from service.pgconn import connection_info, describe
 
 Rows = dict[str, list[tuple[Any, ...]]]
 

@@ -17,7 +17,8 @@ from service.crypto.registry import KEY_TYPES
 from service.keys.admin import initialise
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
-from service.keys.store import KeyStore, open_store
+from service.keys.store import KeyStore
+from service.stores import open_store
 
 
 def master_key_from_env(path: str | None = None) -> MasterKey:
@@ -162,8 +163,9 @@ def show(args: argparse.Namespace) -> int:
 def usage(args: argparse.Namespace) -> int:
     """What the usage store holds for every key (or one): the counts every server flushed,
     without what running servers counted in the last flush interval."""
+    from service.defaults import default_usage_file
+    from service.stores import open_usage_store
     from service.usage.recorder import as_json, tally
-    from service.usage.store import default_usage_file, open_usage_store
 
     keyring = _manager(args).keyring
     names = [args.name] if args.name else sorted(keyring)

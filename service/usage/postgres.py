@@ -11,7 +11,6 @@ for the key store's.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from service.keys.pgstore import connection_info, describe, reason
+from service.pgconn import SharedConnection, reason
 from service.usage.store import Increment, UsageKey, UsageRow, UsageUnavailable, ordered
 
 TABLE = "cryptd_key_usage"
@@ -41,10 +40,8 @@ class PostgresUsageStore:
     backend = "postgresql"
 
     def __init__(self, url: str) -> None:
-        self._conninfo = connection_info(url)
-        self._description = describe(self._conninfo)
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
+        self._pg = SharedConnection(url)
+        self._description = self._pg.description
 
     @property
     def description(self) -> str:
@@ -52,25 +49,17 @@ class PostgresUsageStore:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._lock:
+        with self._pg.turn() as connection:
             try:
-                if self._conn is None or self._conn.closed or self._conn.broken:
-                    self._conn = psycopg.connect(self._conninfo, autocommit=True)
-                yield self._conn
+                yield connection()
             except pg_errors.UndefinedTable:
                 raise UsageUnavailable(
                     f"{self._description} has no {TABLE} table: create it with "
                     "`cryptd keystore schema` (a role that may create tables)"
                 ) from None
             except psycopg.Error as exc:
-                self._drop()
+                self._pg.drop()
                 raise UsageUnavailable(f"{self._description}: {reason(exc)}") from None
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
 
     def add(self, increments: Mapping[UsageKey, Increment]) -> None:
         if not increments:
@@ -99,5 +88,4 @@ class PostgresUsageStore:
         return [UsageRow(*row) for row in rows]
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        self._pg.close()
