@@ -1,16 +1,16 @@
 """PostgreSQL connections for the stores that live in the database (keys, usage counters).
 
 The URL's libpq parameters plus :data:`DEFAULTS`, a description safe for logs (no password),
-an error's first line (no query text, no parameters), and :class:`SharedConnection`: the one
-connection a store's threads take turns on, opened on first use and again after it broke.
-Each store maps the driver's errors to its own.
+an error's first line (no query text, no parameters), and :class:`PostgresStore`: the one
+connection a store's threads take turns on, opened on first use and again after it broke,
+the driver's errors mapped to the store's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -54,39 +54,49 @@ def reason(exc: psycopg.Error) -> str:
     return first[:200]
 
 
-class SharedConnection:
-    """One autocommit connection for a store's threads, one statement sequence at a time."""
+# What a store makes of a driver error: its own exception, and whether the connection is
+# dropped (it may be broken) rather than kept (the statement failed, the connection is fine).
+Refusal = tuple[Exception, bool]
 
-    def __init__(
-        self, url: str, configure: Callable[[psycopg.Connection[Any]], None] | None = None
-    ) -> None:
-        self.conninfo = connection_info(url)
-        self.description = describe(self.conninfo)
-        self._configure = configure
-        self._lock = threading.Lock()
+
+class PostgresStore:
+    """Base of a store in the database: one autocommit connection its threads take turns on,
+    opened on first use and again after it broke, and the store's reading of driver errors
+    (:meth:`_refusal`)."""
+
+    def __init__(self, url: str) -> None:
+        self._conninfo = connection_info(url)
+        self._description = describe(self._conninfo)
+        self._lock = threading.Lock()  # one statement sequence on the connection at a time
         self._conn: psycopg.Connection[Any] | None = None
 
-    def connect(self) -> psycopg.Connection[Any]:
-        """A new connection of the caller's own (configured like the shared one)."""
-        conn = psycopg.connect(self.conninfo, autocommit=True)
-        if self._configure is not None:
-            self._configure(conn)
-        return conn
+    @property
+    def description(self) -> str:
+        return self._description
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        """A new connection (the shared one, or one of the caller's own)."""
+        return psycopg.connect(self._conninfo, autocommit=True)
+
+    def _refusal(self, exc: psycopg.Error) -> Refusal:
+        return exc, True
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[Callable[[], psycopg.Connection[Any]]]:
-        """Hold the connection for one statement sequence: yields the function that gives
-        it, (re)opened as needed (errors while opening reach the caller's handlers)."""
+    def _session(self) -> Iterator[psycopg.Connection[Any]]:
+        """The shared connection, (re)opened as needed; a driver error raised meanwhile
+        becomes the store's own (:meth:`_refusal`)."""
         with self._lock:
-            yield self._open
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = self._connect()
+                yield self._conn
+            except psycopg.Error as exc:
+                error, drop = self._refusal(exc)
+                if drop:
+                    self._drop()
+                raise error from None
 
-    def _open(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = self.connect()
-        return self._conn
-
-    def drop(self) -> None:
-        """Close the connection after an error (the caller holds its turn)."""
+    def _drop(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.close()
@@ -94,4 +104,4 @@ class SharedConnection:
 
     def close(self) -> None:
         with self._lock:
-            self.drop()
+            self._drop()

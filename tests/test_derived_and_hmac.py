@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from service import operations
 from service.crypto.registry import KEY_TYPES
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
+from service.keys.filestore import FileKeyStore
 from service.keys.manager import KeyManager
 from service.keys.store import KeystoreError
 from tests.test_token import new_manager
@@ -576,7 +577,7 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
     manager.create("p", "aes256-gcm")
     token = encrypt(manager, "c", b"x", context=b"t")
     master = manager._master
-    reloaded = KeyManager(manager.store.path, master)
+    reloaded = KeyManager(FileKeyStore(manager.store.path), master)
     reloaded.load()
     meta = reloaded.keyring.key("c").metadata()
     assert (meta["derived"], meta["convergent"]) == (True, True)
@@ -596,14 +597,14 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
         edit(changed["keys"])
         manager.store.path.write_text(json.dumps(changed))
         with pytest.raises(KeystoreError, match="integrity"):
-            KeyManager(manager.store.path, master).load()
+            KeyManager(FileKeyStore(manager.store.path), master).load()
         manager.store.path.write_text(json.dumps(raw))
     for bad in ("yes", 1, None):
         changed = json.loads(manager.store.path.read_text())
         changed["keys"]["c"]["derived"] = bad
         manager.store.path.write_text(json.dumps(changed))
         with pytest.raises(KeystoreError):
-            KeyManager(manager.store.path, master).load()
+            KeyManager(FileKeyStore(manager.store.path), master).load()
     manager.store.path.write_text(json.dumps(raw))
 
 

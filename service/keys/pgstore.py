@@ -50,7 +50,7 @@ from service.keys.store import (
     NotInitialised,
     StoreUnavailable,
 )
-from service.pgconn import SharedConnection, reason
+from service.pgconn import PostgresStore, Refusal, reason
 
 log = logging.getLogger("cryptd.keystore")
 
@@ -105,44 +105,29 @@ TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions", "cryptd_key_us
 HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
 
 
-class PostgresKeyStore:
+class PostgresKeyStore(PostgresStore):
     backend = "postgresql"
 
-    def __init__(self, url: str) -> None:
-        self._pg = SharedConnection(url, configure=_json_as_orjson)
-        self._description = self._pg.description
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = super()._connect()
+        set_json_loads(orjson.loads, conn)
+        return conn
 
-    @property
-    def description(self) -> str:
-        return self._description
-
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        """The shared connection, (re)opened as needed; driver errors become store errors."""
-        with self._pg.turn() as connection:
-            try:
-                yield connection()
-            except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
-                raise NotInitialised(
-                    f"{self._description} has no cryptd key store (run `cryptd keystore init`)"
-                ) from None
-            except pg_errors.InsufficientPrivilege as exc:
-                raise StoreUnavailable(
-                    f"{self._description}: permission denied ({reason(exc)})"
-                ) from None
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                self._pg.drop()
-                raise StoreUnavailable(
-                    f"the database {self._description} is unreachable ({reason(exc)})"
-                ) from None
-            except (psycopg.DataError, psycopg.IntegrityError) as exc:
-                raise IntegrityError(f"malformed rows in the key store ({reason(exc)})") from None
-            except psycopg.Error as exc:
-                self._pg.drop()
-                raise StoreUnavailable(f"{self._description}: {reason(exc)}") from None
-
-    def close(self) -> None:
-        self._pg.close()
+    def _refusal(self, exc: psycopg.Error) -> Refusal:
+        if isinstance(exc, pg_errors.UndefinedTable | pg_errors.UndefinedColumn):
+            return NotInitialised(
+                f"{self._description} has no cryptd key store (run `cryptd keystore init`)"
+            ), False
+        if isinstance(exc, pg_errors.InsufficientPrivilege):
+            return StoreUnavailable(
+                f"{self._description}: permission denied ({reason(exc)})"
+            ), False
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            unreachable = f"the database {self._description} is unreachable ({reason(exc)})"
+            return StoreUnavailable(unreachable), True
+        if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+            return IntegrityError(f"malformed rows in the key store ({reason(exc)})"), False
+        return StoreUnavailable(f"{self._description}: {reason(exc)}"), True
 
     # The interface --------------------------------------------------------------------------
 
@@ -177,7 +162,7 @@ class PostgresKeyStore:
         """A session advisory lock on a connection of its own, so that holding it (a
         rotation generating keys) never blocks this process's other store calls."""
         try:
-            conn = self._pg.connect()
+            conn = self._connect()
         except psycopg.Error as exc:
             raise StoreUnavailable(
                 f"the database {self._description} is unreachable ({reason(exc)})"
@@ -213,7 +198,7 @@ class PostgresKeyStore:
         delay = RECONNECT_DELAY[0]
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(self._pg.conninfo, autocommit=True)
+                conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
             except psycopg.Error as exc:
                 log.warning("key store notifications unavailable", extra={"reason": reason(exc)})
                 await asyncio.sleep(delay)
@@ -242,10 +227,6 @@ class PostgresKeyStore:
         with self._session() as conn, conn.transaction():
             for statement in SCHEMA:
                 conn.execute(statement)
-
-
-def _json_as_orjson(conn: psycopg.Connection[Any]) -> None:
-    set_json_loads(orjson.loads, conn)
 
 
 def parse_notice(channel: str, payload: str) -> Notice | None:

@@ -10,15 +10,14 @@ for the key store's.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
 
-from service.pgconn import SharedConnection, reason
+from service.pgconn import PostgresStore, Refusal, reason
 from service.usage.store import Increment, UsageKey, UsageRow, UsageUnavailable, ordered
 
 TABLE = "cryptd_key_usage"
@@ -36,30 +35,16 @@ SELECT = (
 )
 
 
-class PostgresUsageStore:
+class PostgresUsageStore(PostgresStore):
     backend = "postgresql"
 
-    def __init__(self, url: str) -> None:
-        self._pg = SharedConnection(url)
-        self._description = self._pg.description
-
-    @property
-    def description(self) -> str:
-        return self._description
-
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._pg.turn() as connection:
-            try:
-                yield connection()
-            except pg_errors.UndefinedTable:
-                raise UsageUnavailable(
-                    f"{self._description} has no {TABLE} table: create it with "
-                    "`cryptd keystore schema` (a role that may create tables)"
-                ) from None
-            except psycopg.Error as exc:
-                self._pg.drop()
-                raise UsageUnavailable(f"{self._description}: {reason(exc)}") from None
+    def _refusal(self, exc: psycopg.Error) -> Refusal:
+        if isinstance(exc, pg_errors.UndefinedTable):
+            return UsageUnavailable(
+                f"{self._description} has no {TABLE} table: create it with "
+                "`cryptd keystore schema` (a role that may create tables)"
+            ), False
+        return UsageUnavailable(f"{self._description}: {reason(exc)}"), True
 
     def add(self, increments: Mapping[UsageKey, Increment]) -> None:
         if not increments:
@@ -86,6 +71,3 @@ class PostgresUsageStore:
         with self._session() as conn:
             rows = conn.execute(SELECT + " ORDER BY name, version, operation").fetchall()
         return [UsageRow(*row) for row in rows]
-
-    def close(self) -> None:
-        self._pg.close()
