@@ -9,6 +9,8 @@ of the two, in one transaction. Backends, one module each:
   (``CRYPTD_USAGE_FILE``), which every server worker of the host opens;
 - :mod:`service.usage.postgres`: with the PostgreSQL key store, a table in the same database,
   shared by every replica.
+
+:func:`service.stores.open_usage_store` picks one; this interface imports neither.
 """
 
 from __future__ import annotations
