@@ -13,11 +13,15 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.auth.signature import DEFAULT_MAX_SKEW
 from service.cpus import available_cpus
-from service.keys.manager import MAX_DELETION_WAITING_PERIOD
-from service.pool.base import ExecutorKind
-from service.pool.sliced import DEFAULT_BUDGET, DEFAULT_SHARE
+from service.defaults import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_SKEW,
+    DEFAULT_SHARE,
+    MAX_DELETION_WAITING_PERIOD,
+    ExecutorKind,
+    default_usage_file,
+)
 
 # Where a key type's work runs: an executor kind, or "mixed": one item on the event loop,
 # a batch in the thread pool. "sliced" runs every item on the event loop, one at a time and
@@ -168,8 +172,6 @@ class Settings(BaseSettings):
 
     def usage_file_path(self) -> Path:
         """Where the file key store's usage counts live: beside the keyring by default."""
-        from service.usage.store import default_usage_file
-
         return self.usage_file or default_usage_file(self.keyring_file)
 
     def keystore_url_value(self) -> str | None:

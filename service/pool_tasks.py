@@ -13,8 +13,8 @@ from pathlib import Path
 from service import operations
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
-from service.keys.store import open_store
 from service.operations import Item, Observer, OpName, Outcome
+from service.stores import open_store
 
 
 class _WorkerState:
@@ -53,9 +53,3 @@ def run_chunk(digest: str, op: OpName, name: str, items: Sequence[Item]) -> list
     if manager.keyring.digest != digest:
         manager.refresh(force=True)
     return operations.run_batch(manager.keyring, op, name, items, _state.observer)
-
-
-def reload_keyring() -> None:
-    """Broadcast target: pick up a changed keyring now."""
-    if _state is not None:
-        _state.manager.refresh()

@@ -18,7 +18,9 @@ from cryptd_client.signing import COVERED_COMPONENTS, signature_base
 from service.api.application import create_app
 from service.auth.clients import write_document
 from service.config import Settings
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +77,7 @@ async def vector_app(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     (tmp_path / "master.key").write_text(base64.b64encode(master).decode())
     keyring = tmp_path / "keyring.json"
     create_keyring_file(keyring, MasterKey(master))
-    manager = KeyManager(keyring, MasterKey(master))
+    manager = KeyManager(FileKeyStore(keyring), MasterKey(master))
     manager.load()
     manager.create("orders", "aes256-gcm")
     clients = tmp_path / "clients.json"

@@ -21,7 +21,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from service import operations
 from service.errors import Conflict, InvalidRequest
 from service.keys import backup
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 
 ROOT = Path(__file__).parent.parent
@@ -40,7 +42,7 @@ def manager_for(directory: Path, master: MasterKey) -> KeyManager:
     directory.mkdir(exist_ok=True)
     path = directory / "keyring.json"
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     return manager
 

@@ -15,6 +15,7 @@ import pytest
 
 from service import operations
 from service.cli import main
+from service.keys.filestore import FileKeyStore
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from tests.conftest import Server
@@ -81,7 +82,7 @@ def keyring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Mast
 
 
 def load(keyring: tuple[Path, MasterKey]) -> KeyManager:
-    manager = KeyManager(*keyring)
+    manager = KeyManager(FileKeyStore(keyring[0]), keyring[1])
     manager.load()
     return manager
 

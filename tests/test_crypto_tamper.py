@@ -26,9 +26,11 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from service import operations
 from service.crypto.registry import KEY_TYPES, KEY_TYPES_BY_ID
 from service.errors import CryptdError, DecryptionFailed, InvalidRequest, KeyNotFound
+from service.keys.admin import create_keyring_file
 from service.keys.document import KeyringDocument, canonical
+from service.keys.filestore import FileKeyStore
 from service.keys.keyring import MAX_KEY_VERSION, Keyring
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeystoreError
 
@@ -59,7 +61,7 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Ring:
     path = tmp_path_factory.mktemp("tamper") / "keyring.json"
     master = MasterKey(secrets.token_bytes(32))
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     for type_name in TYPES:
         manager.create(f"a-{type_name}", type_name)
@@ -72,7 +74,7 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Ring:
 
 
 def load_file(path: Path, master: MasterKey) -> Keyring:
-    return KeyManager(path, master).load()
+    return KeyManager(FileKeyStore(path), master).load()
 
 
 def run(
@@ -583,7 +585,7 @@ def test_metadata_is_authenticated(ring: Ring, tmp_path: Path) -> None:
 def test_failed_reload_keeps_the_previous_keyring(ring: Ring, tmp_path: Path) -> None:
     path = tmp_path / "reload.json"
     shutil.copy(ring.path, path)
-    manager = KeyManager(path, ring.master)
+    manager = KeyManager(FileKeyStore(path), ring.master)
     before = manager.load()
     data = json.loads(path.read_bytes())
     data["keys"]["b-sm4-gcm"]["versions"][0]["material"] = data["keys"]["a-sm4-gcm"]["versions"][0][

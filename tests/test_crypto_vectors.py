@@ -31,7 +31,9 @@ from service.crypto.ecdsa import EcdsaKey, der_to_raw
 from service.crypto.registry import KEY_TYPES
 from service.crypto.rsa import RsaKey
 from service.errors import DecryptionFailed
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 
 VECTORS = Path(__file__).parent / "vectors"
@@ -326,7 +328,7 @@ def test_wycheproof_rsa_oaep_through_engine(tmp_path: Path) -> None:
     master = MasterKey(bytes(range(32)))
     path = tmp_path / "keyring.json"
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     key_type = KEY_TYPES["rsa-2048"]
     assert key_type.import_key is not None

@@ -585,7 +585,7 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
     manager.create("p", "aes256-gcm")
     token = encrypt(manager, "c", b"x", context=b"t")
     master = manager._master
-    reloaded = KeyManager(keyring_file(manager), master)
+    reloaded = KeyManager(FileKeyStore(keyring_file(manager)), master)
     reloaded.load()
     meta = reloaded.keyring.key("c").metadata()
     assert (meta["derived"], meta["convergent"]) == (True, True)
@@ -606,14 +606,14 @@ def test_flags_persist_are_shown_and_are_covered_by_the_mac(tmp_path: Path) -> N
         edit(changed["keys"])
         keyring_file(manager).write_text(json.dumps(changed))
         with pytest.raises(KeystoreError, match="integrity"):
-            KeyManager(keyring_file(manager), master).load()
+            KeyManager(FileKeyStore(keyring_file(manager)), master).load()
         keyring_file(manager).write_text(json.dumps(raw))
     for bad in ("yes", 1, None):
         changed = json.loads(keyring_file(manager).read_text())
         changed["keys"]["c"]["derived"] = bad
         keyring_file(manager).write_text(json.dumps(changed))
         with pytest.raises(KeystoreError):
-            KeyManager(keyring_file(manager), master).load()
+            KeyManager(FileKeyStore(keyring_file(manager)), master).load()
     keyring_file(manager).write_text(json.dumps(raw))
 
 

@@ -13,7 +13,7 @@ import pytest
 from service.api.application import create_app
 from service.auth.clients import generate_secret, write_document
 from service.config import Settings
-from service.keys.manager import create_keyring_file
+from service.keys.admin import create_keyring_file
 from service.keys.masterkey import MasterKey
 
 

@@ -18,11 +18,11 @@ import pytest
 
 from service import operations
 from service.errors import KeyDisabled, KeyNotFound
-from service.keys.admin import initialise
+from service.keys.admin import create_keyring_file, initialise
 from service.keys.document import KeyRecord, MalformedDocument
 from service.keys.filestore import FileKeyStore
 from service.keys.keyring import parse_time
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore, KeystoreError
 
@@ -57,7 +57,7 @@ NEW_FIELDS = {"state", "min_encryption_version", "deletion_date", "state_before_
 def test_a_keyring_from_before_states_loads_with_every_key_enabled(tmp_path: Path) -> None:
     path = tmp_path / "keyring.json"
     path.write_bytes(orjson.dumps(VECTOR_KEYRING))
-    manager = KeyManager(path, MasterKey(VECTOR_MASTER))
+    manager = KeyManager(FileKeyStore(path), MasterKey(VECTOR_MASTER))
     key = manager.load().key("doc-aes")
     assert (key.state, key.min_encryption_version, key.deletion_date) == ("enabled", 0, None)
     assert key.metadata()["state"] == "enabled"
@@ -71,7 +71,7 @@ def test_a_keyring_from_before_states_loads_with_every_key_enabled(tmp_path: Pat
     assert not NEW_FIELDS & set(stored["fresh"])
     manager.update("doc-aes", state="decrypt_only")
     assert orjson.loads(path.read_bytes())["keys"]["doc-aes"]["state"] == "decrypt_only"
-    again = KeyManager(path, MasterKey(VECTOR_MASTER))
+    again = KeyManager(FileKeyStore(path), MasterKey(VECTOR_MASTER))
     assert again.load()["doc-aes"].state == "decrypt_only"
     manager.update("doc-aes", state="enabled")
     assert "state" not in orjson.loads(path.read_bytes())["keys"]["doc-aes"]
@@ -321,7 +321,7 @@ def test_automatic_rotation_skips_keys_that_are_not_enabled(tmp_path: Path) -> N
     path = tmp_path / "keyring.json"
     master = MasterKey(os.urandom(32))
     create_keyring_file(path, master)
-    manager = KeyManager(path, master, min_auto_rotate_period=1)
+    manager = KeyManager(FileKeyStore(path), master, min_auto_rotate_period=1)
     manager.load()
     for name, state in (("on", "enabled"), ("ro", "decrypt_only"), ("off", "disabled")):
         manager.create(name, "aes256-gcm", auto_rotate_period=1)
@@ -337,7 +337,7 @@ def test_a_key_past_its_date_cannot_be_backed_up_or_rotated(tmp_path: Path) -> N
     path = tmp_path / "keyring.json"
     master = MasterKey(os.urandom(32))
     create_keyring_file(path, master)
-    manager = KeyManager(path, master, deletion_waiting_period=1)
+    manager = KeyManager(FileKeyStore(path), master, deletion_waiting_period=1)
     manager.load()
     manager.create("k", "ed25519", deletion_allowed=True)
     pending = manager.delete("k")
@@ -397,7 +397,7 @@ def test_a_backup_keeps_the_state_and_the_floor(tmp_path: Path) -> None:
     path = tmp_path / "keyring.json"
     master = MasterKey(os.urandom(32))
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     manager.create("k", "aes256-gcm", deletion_allowed=True)
     manager.rotate("k")

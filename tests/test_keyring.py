@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from service.errors import Conflict, InvalidRequest
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
 from service.keys.keyring import check_key_name
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 
 
@@ -22,11 +24,11 @@ def manager(tmp_path: Path, delay: float) -> KeyManager:
     path = tmp_path / "keyring.json"
     if not path.exists():
         create_keyring_file(path, master)
-        writer = KeyManager(path, master)
+        writer = KeyManager(FileKeyStore(path), master)
         writer.load()
         writer.create("k", "aes256-gcm")
         writer.rotate("k")
-    reader = KeyManager(path, master, activation_delay=delay)
+    reader = KeyManager(FileKeyStore(path), master, activation_delay=delay)
     reader.load()
     return reader
 
@@ -64,7 +66,7 @@ def fresh(tmp_path: Path, **options: object) -> tuple[KeyManager, MasterKey, Pat
     master = MasterKey(os.urandom(32))
     path = tmp_path / "ring.json"
     create_keyring_file(path, master)
-    manager = KeyManager(path, master, **options)  # type: ignore[arg-type]
+    manager = KeyManager(FileKeyStore(path), master, **options)  # type: ignore[arg-type]
     manager.load()
     return manager, master, path
 
@@ -86,7 +88,7 @@ def test_every_change_raises_the_generation_and_a_no_op_writes_nothing(tmp_path:
     assert "cryptd:wrap" not in manager.keyring
     with pytest.raises(InvalidRequest):
         manager.keyring.key("cryptd:wrap")
-    other = KeyManager(path, master)
+    other = KeyManager(FileKeyStore(path), master)
     assert "cryptd:wrap" in other.load().internal
 
 
@@ -101,7 +103,7 @@ def test_an_older_copy_of_the_file_is_refused_while_running(tmp_path: Path) -> N
     assert manager.keyring is served
     assert "went back" in (manager.last_reload_error or "")
     # A process starting afresh accepts it (it has no memory of generations).
-    assert KeyManager(path, master).load()["k"].latest_version == 1
+    assert KeyManager(FileKeyStore(path), master).load()["k"].latest_version == 1
 
 
 def test_export_and_import_of_one_key(tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_due_keys_rotate_once_and_the_activation_delay_holds(tmp_path: Path) -> 
     # period after x: with a period of 1 s the new version could be due again a millisecond
     # later. With 2 s it is due no sooner than a second after it was made.
     manager.create("k", "aes256-gcm", auto_rotate_period=2)
-    second = KeyManager(path, master, min_auto_rotate_period=1)
+    second = KeyManager(FileKeyStore(path), master, min_auto_rotate_period=1)
     second.load()
     time.sleep(2.1)
     assert manager.due_for_rotation() == ["k"]
@@ -174,7 +176,7 @@ async def test_a_miss_looks_in_the_store_once_and_finds_the_new_key(tmp_path: Pa
     from service.keys.watch import KeyringWatcher
 
     reader, master, path = fresh(tmp_path)
-    writer = KeyManager(path, master)
+    writer = KeyManager(FileKeyStore(path), master)
     writer.load()
     calls = 0
     original = reader.refresh
@@ -210,7 +212,7 @@ async def test_a_check_that_finished_before_its_callbacks_ran_does_not_block_the
     from service.keys.watch import KeyringWatcher
 
     reader, master, path = fresh(tmp_path)
-    writer = KeyManager(path, master)
+    writer = KeyManager(FileKeyStore(path), master)
     writer.load()
     checks = 0
 

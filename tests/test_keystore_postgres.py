@@ -14,12 +14,13 @@ import psycopg
 import pytest
 
 from service.errors import Conflict, KeystoreUnavailable
-from service.keys.admin import TargetNotEmpty, copy_keyring, initialise
+from service.keys.admin import TargetNotEmpty, copy_keyring, create_keyring_file, initialise
 from service.keys.filestore import FileKeyStore
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
-from service.keys.pgstore import PostgresKeyStore, connection_info, describe
+from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import IntegrityError, KeystoreError, NotInitialised
+from service.pgconn import connection_info, describe
 
 pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
 
@@ -346,7 +347,7 @@ def test_another_deployments_database_is_refused(
     # Another deployment under the same master key (a staging copy, say), in a file.
     other = tmp_path / "other.json"
     create_keyring_file(other, master)
-    other_manager = KeyManager(other, master)
+    other_manager = KeyManager(FileKeyStore(other), master)
     other_manager.load()
     other_manager.create("alpha", "aes256-gcm")
     for _ in range(10):
@@ -390,7 +391,7 @@ def test_copy_from_a_file_moves_wrapped_material_unchanged(
 ) -> None:
     path = tmp_path / "keyring.json"
     create_keyring_file(path, master)
-    source = KeyManager(path, master)
+    source = KeyManager(FileKeyStore(path), master)
     source.load()
     for type_name in ("aes256-gcm", "rsa-2048", "sm2"):
         source.create(f"k-{type_name}", type_name)

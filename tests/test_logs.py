@@ -21,7 +21,8 @@ from fastapi import FastAPI
 
 from service.api.timing import timed
 from service.asgi import ASGIApp, Receive, Scope, Send
-from service.logs import LineWriter, LogSetup, _timestamp, configure_logging
+from service.logs import LineWriter, LogSetup, configure_logging
+from service.logs.fields import timestamp as _timestamp
 from service.metrics import Metrics
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")
@@ -351,7 +352,7 @@ def _audit_dictionary(fields: tuple[Any, ...]) -> bytes:
 
 
 def test_audit_lines_are_the_dictionary_serialized_whole_byte_for_byte() -> None:
-    from service import logs
+    from service.logs import audit as logs
 
     now = time.time()
     cases = [

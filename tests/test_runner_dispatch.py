@@ -23,7 +23,9 @@ from service.auth.signature import sign_request
 from service.config import DEFAULT_EXECUTORS, Settings
 from service.crypto.base import SignOptions
 from service.crypto.ed25519 import SODIUM_MAX_MESSAGE
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.operations import EncryptItem, SignItem
 from service.pool import make_executor
@@ -101,7 +103,7 @@ async def test_ed25519_signs_alike_on_the_loop_in_threads_and_in_pool_processes(
     master = os.urandom(32)
     path = tmp_path / "keyring.json"
     create_keyring_file(path, MasterKey(master))
-    manager = KeyManager(path, MasterKey(master))
+    manager = KeyManager(FileKeyStore(path), MasterKey(master))
     manager.load()
     seed = os.urandom(32)
     manager.create("ed", "ed25519", material=seed)

@@ -19,6 +19,7 @@ import pytest
 
 from service.cli.serve import prepare_dev_dir
 from service.cli.supervisor import listening_socket
+from service.keys.filestore import FileKeyStore
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from tests.conftest import Server, free_port, start_server, stop_server
@@ -131,7 +132,7 @@ def test_sighup_reaches_every_worker(tmp_path: Path) -> None:
         _wait_for_listeners(server, 2)
         dev = server.directory / "dev"
         master = MasterKey(base64.b64decode((dev / "master.key").read_bytes()))
-        writer = KeyManager(dev / "keyring.json", master)
+        writer = KeyManager(FileKeyStore(dev / "keyring.json"), master)
         writer.load()
         # A rotation made outside the service: every worker knows the key, so nothing makes
         # it look in the store (an unknown key would), and encryptions stay on version 1.

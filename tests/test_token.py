@@ -31,7 +31,9 @@ from service.config import decode_master_key
 from service.crypto.registry import KEY_TYPES
 from service.errors import DecryptionFailed, InvalidRequest
 from service.keys import token
-from service.keys.manager import KeyManager, create_keyring_file
+from service.keys.admin import create_keyring_file
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 
 ROOT = Path(__file__).parent.parent
@@ -101,7 +103,7 @@ def new_manager(directory: Path) -> KeyManager:
     master = MasterKey(os.urandom(32))
     path = directory / "keyring.json"
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     return manager
 
@@ -384,7 +386,7 @@ def test_documented_keyring_file_loads_and_decrypts(tmp_path: Path) -> None:
     assert json.loads(shown) == vector["keyring_file"]
     path = tmp_path / "keyring.json"
     path.write_text(shown)
-    manager = KeyManager(path, MasterKey(h(vector["master_key"])))
+    manager = KeyManager(FileKeyStore(path), MasterKey(h(vector["master_key"])))
     manager.load()
     aes = VECTORS["aes256-gcm"]
     assert engine_decrypt(manager, "doc-aes", aes["token"], h(aes["aad"])) == h(aes["plaintext"])
@@ -395,7 +397,7 @@ def test_keyring_written_by_the_service_follows_the_document(tmp_path: Path) -> 
     master = MasterKey(key)
     path = tmp_path / "keyring.json"
     create_keyring_file(path, master)
-    manager = KeyManager(path, master)
+    manager = KeyManager(FileKeyStore(path), master)
     manager.load()
     manager.create("k.1", "sm4-gcm")
     manager.rotate("k.1")
@@ -431,4 +433,4 @@ def test_keyring_written_by_the_service_follows_the_document(tmp_path: Path) -> 
             material = AESGCM(key).decrypt(blob[:12], blob[12:], context)
             assert len(material) == {"sm4-gcm": 16, "ed25519": 32}[record["type"]]
             assert KEY_TYPES[record["type"]].load(material) is not None
-    assert KeyManager(path, master).load().key("k.1").latest_version == 2
+    assert KeyManager(FileKeyStore(path), master).load().key("k.1").latest_version == 2

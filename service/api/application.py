@@ -37,7 +37,6 @@ from service.keys.board import Board
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.propagation import Propagation
-from service.keys.store import open_store
 from service.keys.watch import KeyringWatcher
 from service.logs import configure_logging
 from service.metrics import Metrics
@@ -47,8 +46,8 @@ from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
+from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
-from service.usage.store import open_usage_store
 
 log = logging.getLogger("cryptd")
 

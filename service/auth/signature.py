@@ -45,13 +45,10 @@ from cryptd_client.signing import hmac_sha256 as hmac_sha256
 from cryptd_client.signing import serialize_signature_params as serialize_signature_params
 from cryptd_client.signing import sign_request as sign_request
 from cryptd_client.signing import signature_base as signature_base
+from service.defaults import DEFAULT_MAX_SKEW as DEFAULT_MAX_SKEW
 from service.errors import Unauthenticated
 
 DEFAULT_MAX_AGE: Final = 300
-# How far ahead of the server's clock ``created`` may be. Small on purpose: a replay store that
-# starts empty (a Redis restart) refuses requests created before its start plus this much, so
-# this bounds what a restart costs (docs/AUTH.md, "Replay protection").
-DEFAULT_MAX_SKEW: Final = 5
 MAX_NONCE_LENGTH: Final = 128
 # Field values longer than this are refused before parsing: a real one is ~200 bytes.
 MAX_FIELD_LENGTH: Final = 2048

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptd_client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
-from service.cli.keys import read_material
+from service.cli.keys import read_material, settings_from_args
 from service.crypto.registry import KEY_TYPES
 
 OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random")
@@ -267,15 +267,7 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
         )
         return _metadata(created), 0
     if op == "update":
-        updated = client.update_key(
-            key,
-            min_decryption_version=args.min_decryption_version,
-            deletion_allowed=args.deletion_allowed,
-            auto_rotate_period=args.auto_rotate_period,
-            state=args.state,
-            min_encryption_version=args.min_encryption_version,
-        )
-        return _metadata(updated), 0
+        return _metadata(client.update_key(key, **settings_from_args(args))), 0
     if op == "delete":
         pending = client.delete_key(key)
         # Deleted at once: {"deleted": name}; scheduled: the pending key's metadata.

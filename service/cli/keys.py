@@ -17,7 +17,9 @@ from service.crypto.registry import KEY_TYPES
 from service.keys.admin import initialise
 from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
-from service.keys.store import KeyStore, open_store
+from service.keys.mutations import KeySettings
+from service.keys.store import KeyStore
+from service.stores import open_store
 
 
 def master_key_from_env(path: str | None = None) -> MasterKey:
@@ -116,16 +118,19 @@ def rotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def update(args: argparse.Namespace) -> int:
-    key = _manager(args).update(
-        args.name,
+def settings_from_args(args: argparse.Namespace) -> KeySettings:
+    """The settings ``update`` changes, as the command line gives them (None: unchanged)."""
+    return KeySettings(
         min_decryption_version=args.min_decryption_version,
         deletion_allowed=args.deletion_allowed,
         auto_rotate_period=args.auto_rotate_period,
         state=args.state,
         min_encryption_version=args.min_encryption_version,
     )
-    _print(key.metadata())
+
+
+def update(args: argparse.Namespace) -> int:
+    _print(_manager(args).update(args.name, **settings_from_args(args)).metadata())
     return 0
 
 
@@ -162,8 +167,9 @@ def show(args: argparse.Namespace) -> int:
 def usage(args: argparse.Namespace) -> int:
     """What the usage store holds for every key (or one): the counts every server flushed,
     without what running servers counted in the last flush interval."""
+    from service.defaults import default_usage_file
+    from service.stores import open_usage_store
     from service.usage.recorder import as_json, tally
-    from service.usage.store import default_usage_file, open_usage_store
 
     keyring = _manager(args).keyring
     names = [args.name] if args.name else sorted(keyring)

@@ -15,7 +15,8 @@ import orjson
 from service.cli.keys import master_key_from_env, store_from_args, store_options
 from service.keys.admin import copy_keyring, initialise
 from service.keys.manager import KeyManager
-from service.keys.store import KeyStore, open_store
+from service.keys.store import KeyStore
+from service.stores import open_store
 
 
 def _location(text: str) -> KeyStore:

@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace, client: Any) -> int:
     from service.migrate.checkpoint import CheckpointFile
     from service.migrate.failures import FailureLog
     from service.migrate.progress import ProgressDisplay
-    from service.migrate.report import as_json, as_text
+    from service.migrate.report import Report
     from service.migrate.rewrapping import Migration, Options
     from service.migrate.service import Rewrapper, preflight
 
@@ -189,12 +189,9 @@ def _run(args: argparse.Namespace, client: Any) -> int:
         source.close()
         if failures is not None:
             failures.close()
-    keys = (source_key, target_key)
     shown = failures_path if failures is not None else None
-    if args.json:
-        print(json.dumps(as_json(result, identity, keys, args.dry_run, shown)))
-    else:
-        print(as_text(result, identity, keys, args.dry_run, shown))
+    report = Report(result, identity, (source_key, target_key), args.dry_run, shown)
+    print(json.dumps(report.as_json()) if args.json else report.as_text())
     if result.error is not None:
         return EXIT_STOPPED
     if result.stopped is not None:

@@ -33,9 +33,10 @@ from service.fileio import atomic_write
 from service.keys.admin import TargetNotEmpty, initialise, prepare
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
-from service.keys.store import KeyStore, open_store
+from service.keys.store import KeyStore
 from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
+from service.stores import open_store
 
 log = logging.getLogger("cryptd")
 

@@ -8,8 +8,10 @@ is written and the copy after; a target that already holds a keyring is never ov
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from service.keys.document import FORMAT, KeyringDocument
+from service.keys.filestore import FileKeyStore
 from service.keys.integrity import new_deployment_id, open_document, seal
 from service.keys.masterkey import MasterKey
 from service.keys.store import IntegrityError, KeyStore, NotInitialised
@@ -46,6 +48,11 @@ def initialise(store: KeyStore, master: MasterKey) -> KeyringDocument:
             raise TargetNotEmpty(f"{store.description} already holds a keyring")
         transaction.write(seal(document, master)[0])
     return document
+
+
+def create_keyring_file(path: Path, master: MasterKey) -> None:
+    """Write an empty keyring file (refuses to overwrite an existing one)."""
+    initialise(FileKeyStore(path), master)
 
 
 def copy_keyring(source: KeyStore, target: KeyStore, master: MasterKey) -> CopyReport:

@@ -113,10 +113,3 @@ def parse(data: bytes) -> RawDocument:
 def render(document: RawDocument) -> bytes:
     """Indented, keys in document order (the MAC does not depend on the layout)."""
     return orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n"
-
-
-def write_new(path: Path, document: RawDocument) -> None:
-    """Create the keyring file; refuses to replace one that exists."""
-    if path.exists():
-        raise FileExistsError(f"{path} already exists")
-    atomic_write(path, render(document))

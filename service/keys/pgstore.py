@@ -33,14 +33,12 @@ import base64
 import contextlib
 import logging
 import re
-import threading
 from collections.abc import AsyncGenerator, Hashable, Iterator
 from typing import Any
 
 import orjson
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb, set_json_loads
 
 from service.keys.document import RawDocument
@@ -52,6 +50,7 @@ from service.keys.store import (
     NotInitialised,
     StoreUnavailable,
 )
+from service.pgconn import PostgresStore, Refusal, reason
 
 log = logging.getLogger("cryptd.keystore")
 
@@ -62,16 +61,6 @@ REPLICAS_CHANNEL = "cryptd_replicas"
 _REPLICA_ID = re.compile(r"[0-9a-f]{32}")
 LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
 
-# What a connection gets unless the URL says otherwise: fail fast when the database is down,
-# notice a dead peer, and name the application in pg_stat_activity.
-DEFAULTS = {
-    "connect_timeout": "5",
-    "application_name": "cryptd",
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-}
 LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
 STATEMENT_TIMEOUT = "60s"
 LISTEN_KEEPALIVE = 30.0  # seconds without a notification before the connection is probed
@@ -116,88 +105,29 @@ TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions", "cryptd_key_us
 HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
 
 
-def connection_info(url: str) -> str:
-    """The libpq connection string: the URL's parameters, plus :data:`DEFAULTS` where unset."""
-    try:
-        params: dict[str, Any] = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        raise ValueError("CRYPTD_KEYSTORE_URL is not a valid PostgreSQL URL") from None
-    for name, value in DEFAULTS.items():
-        params.setdefault(name, value)
-    return make_conninfo(**params)
-
-
-def describe(conninfo: str) -> str:
-    params = conninfo_to_dict(conninfo)
-    user = str(params.get("user") or "")
-    host = params.get("host", "localhost")
-    port = params.get("port", "5432")
-    return f"postgresql {user + '@' if user else ''}{host}:{port}/{params.get('dbname', '')}"
-
-
-def reason(exc: psycopg.Error) -> str:
-    """The first line of the server's or libpq's message: no query text, no parameters."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    return first[:200]
-
-
-class PostgresKeyStore:
+class PostgresKeyStore(PostgresStore):
     backend = "postgresql"
 
-    def __init__(self, url: str) -> None:
-        self._conninfo = connection_info(url)
-        self._description = describe(self._conninfo)
-        self._lock = threading.Lock()  # one statement sequence on the connection at a time
-        self._conn: psycopg.Connection[Any] | None = None
-
-    @property
-    def description(self) -> str:
-        return self._description
-
-    # Connections ----------------------------------------------------------------------------
-
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self._conninfo, autocommit=True)
+        conn = super()._connect()
         set_json_loads(orjson.loads, conn)
         return conn
 
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        """The shared connection, (re)opened as needed; driver errors become store errors."""
-        with self._lock:
-            try:
-                if self._conn is None or self._conn.closed or self._conn.broken:
-                    self._conn = self._connect()
-                yield self._conn
-            except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
-                raise NotInitialised(
-                    f"{self._description} has no cryptd key store (run `cryptd keystore init`)"
-                ) from None
-            except pg_errors.InsufficientPrivilege as exc:
-                raise StoreUnavailable(
-                    f"{self._description}: permission denied ({reason(exc)})"
-                ) from None
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                self._drop()
-                raise StoreUnavailable(
-                    f"the database {self._description} is unreachable ({reason(exc)})"
-                ) from None
-            except (psycopg.DataError, psycopg.IntegrityError) as exc:
-                raise IntegrityError(f"malformed rows in the key store ({reason(exc)})") from None
-            except psycopg.Error as exc:
-                self._drop()
-                raise StoreUnavailable(f"{self._description}: {reason(exc)}") from None
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
+    def _refusal(self, exc: psycopg.Error) -> Refusal:
+        if isinstance(exc, pg_errors.UndefinedTable | pg_errors.UndefinedColumn):
+            return NotInitialised(
+                f"{self._description} has no cryptd key store (run `cryptd keystore init`)"
+            ), False
+        if isinstance(exc, pg_errors.InsufficientPrivilege):
+            return StoreUnavailable(
+                f"{self._description}: permission denied ({reason(exc)})"
+            ), False
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            unreachable = f"the database {self._description} is unreachable ({reason(exc)})"
+            return StoreUnavailable(unreachable), True
+        if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+            return IntegrityError(f"malformed rows in the key store ({reason(exc)})"), False
+        return StoreUnavailable(f"{self._description}: {reason(exc)}"), True
 
     # The interface --------------------------------------------------------------------------
 
@@ -297,10 +227,6 @@ class PostgresKeyStore:
         with self._session() as conn, conn.transaction():
             for statement in SCHEMA:
                 conn.execute(statement)
-
-    def drop_schema(self) -> None:
-        with self._session() as conn, conn.transaction():
-            conn.execute("DROP TABLE IF EXISTS " + ", ".join(reversed(TABLES)))
 
 
 def parse_notice(channel: str, payload: str) -> Notice | None:

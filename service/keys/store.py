@@ -8,7 +8,8 @@ named lock shared by every replica. Verification, unwrapping and the MAC live ab
 (:mod:`service.keys.integrity`): a store never decides what is valid.
 
 Backends, one module each: :mod:`service.keys.filestore` (a JSON file, the default) and
-:mod:`service.keys.pgstore` (PostgreSQL, shared by replicas). :func:`open_store` picks one.
+:mod:`service.keys.pgstore` (PostgreSQL, shared by replicas). :func:`service.stores.open_store`
+picks one; this interface imports neither.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from service.keys.document import RawDocument
@@ -100,14 +100,3 @@ class KeyStore(Protocol):
         where the store has no channel)."""
 
     def close(self) -> None: ...
-
-
-def open_store(url: str | None, keyring_file: Path) -> KeyStore:
-    """PostgreSQL when ``url`` is given (``postgresql://...``), else the keyring file."""
-    if url:
-        from service.keys.pgstore import PostgresKeyStore  # the driver is an optional extra
-
-        return PostgresKeyStore(url)
-    from service.keys.filestore import FileKeyStore
-
-    return FileKeyStore(keyring_file)

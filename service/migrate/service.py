@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -204,33 +204,29 @@ class Rewrapper:
             items = [
                 {"ciphertext": tokens_[i], "aad": page.aad(i), "to_key": to_key} for i in rewrap
             ]
-            for index, result in zip(rewrap, self._rewrap(self.source.name, items), strict=True):
-                if isinstance(result, EncryptResult):
+            for index, result in self._rewrapped(self.source.name, rewrap, items, outcomes):
+                if result is not None:
                     outcomes[index] = Outcome(Kind.MIGRATED, result.ciphertext)
-                elif result.code == "decryption_failed" and self._same_type:
+                elif self._same_type:
                     probe.append(index)
-                elif result.code == "decryption_failed":
+                else:
                     outcomes[index] = Outcome.failed(
                         "decryption_failed",
                         f"does not decrypt under {self.source.name!r} "
                         "(damaged, another key of its type, or another aad)",
                     )
-                else:
-                    outcomes[index] = self._item_failure(result)
         if probe:
             probe.sort()
             items = [{"ciphertext": tokens_[i], "aad": page.aad(i)} for i in probe]
-            for index, result in zip(probe, self._rewrap(self.target.name, items), strict=True):
-                if isinstance(result, EncryptResult):
+            for index, result in self._rewrapped(self.target.name, probe, items, outcomes):
+                if result is not None:
                     outcomes[index] = _ALREADY
-                elif result.code == "decryption_failed":
+                else:
                     outcomes[index] = Outcome.failed(
                         "decryption_failed",
                         f"decrypts under neither {self.source.name!r} nor {self.target.name!r} "
                         "(damaged, another key, or another aad)",
                     )
-                else:
-                    outcomes[index] = self._item_failure(result)
         done: list[Outcome] = [o for o in outcomes if o is not None]
         assert len(done) == len(tokens_)
         verified = 0
@@ -240,10 +236,25 @@ class Rewrapper:
             verified = self._verify(page, done, sample) if sample else 0
         return BatchResult(done, verified)
 
-    def _rewrap(
-        self, key: str, items: list[dict[str, Any]]
-    ) -> list[EncryptResult | CryptdAPIError]:
-        return self._send(self._client.rewrap_batch, key, items)
+    def _rewrapped(
+        self,
+        key: str,
+        indexes: list[int],
+        items: list[dict[str, Any]],
+        outcomes: list[Outcome | None],
+    ) -> Iterator[tuple[int, EncryptResult | None]]:
+        """Each item rewrapped under ``key``: its result, or None where it does not decrypt
+        there; any other item failure is recorded in ``outcomes`` (or stops the run)."""
+        results: list[EncryptResult | CryptdAPIError] = self._send(
+            self._client.rewrap_batch, key, items
+        )
+        for index, result in zip(indexes, results, strict=True):
+            if isinstance(result, EncryptResult):
+                yield index, result
+            elif result.code == "decryption_failed":
+                yield index, None
+            else:
+                outcomes[index] = self._item_failure(result)
 
     # -- requests the service accepts ---------------------------------------------------
     # The service refuses a body over CRYPTD_MAX_BODY_BYTES (1 MiB by default) and a batch over

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, ParamSpec, Protocol, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
-ExecutorKind = Literal["inline", "sliced", "thread", "process"]
+from service.defaults import ExecutorKind as ExecutorKind
+
 EXECUTOR_KINDS: tuple[ExecutorKind, ...] = ("inline", "sliced", "thread", "process")
 
 P = ParamSpec("P")

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
+from service.defaults import DEFAULT_BUDGET as DEFAULT_BUDGET
+from service.defaults import DEFAULT_SHARE as DEFAULT_SHARE
 from service.errors import Overloaded
 from service.pool.base import ExecutorKind, P, QueueWaitObserver, T
 from service.pool.inline import InlineExecutor
@@ -44,8 +46,6 @@ from service.pool.queued import Lifecycle, check_deadline
 
 log = logging.getLogger("cryptd.pool")
 
-DEFAULT_BUDGET = 0.004  # seconds of sliced work per loop iteration (docs/EXECUTORS.md)
-DEFAULT_SHARE = 0.5  # of the time while cheap work is in progress (docs/EXECUTORS.md)
 DEFAULT_GRACE = 0.003  # seconds cheap work counts as in progress after a request ends
 
 _Waiter = tuple[asyncio.Future[None], float]  # (future, loop time its deadline passes at)

@@ -10,16 +10,14 @@ for the key store's.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
 
-from service.keys.pgstore import connection_info, describe, reason
+from service.pgconn import PostgresStore, Refusal, reason
 from service.usage.store import Increment, UsageKey, UsageRow, UsageUnavailable, ordered
 
 TABLE = "cryptd_key_usage"
@@ -37,40 +35,16 @@ SELECT = (
 )
 
 
-class PostgresUsageStore:
+class PostgresUsageStore(PostgresStore):
     backend = "postgresql"
 
-    def __init__(self, url: str) -> None:
-        self._conninfo = connection_info(url)
-        self._description = describe(self._conninfo)
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
-
-    @property
-    def description(self) -> str:
-        return self._description
-
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._lock:
-            try:
-                if self._conn is None or self._conn.closed or self._conn.broken:
-                    self._conn = psycopg.connect(self._conninfo, autocommit=True)
-                yield self._conn
-            except pg_errors.UndefinedTable:
-                raise UsageUnavailable(
-                    f"{self._description} has no {TABLE} table: create it with "
-                    "`cryptd keystore schema` (a role that may create tables)"
-                ) from None
-            except psycopg.Error as exc:
-                self._drop()
-                raise UsageUnavailable(f"{self._description}: {reason(exc)}") from None
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
+    def _refusal(self, exc: psycopg.Error) -> Refusal:
+        if isinstance(exc, pg_errors.UndefinedTable):
+            return UsageUnavailable(
+                f"{self._description} has no {TABLE} table: create it with "
+                "`cryptd keystore schema` (a role that may create tables)"
+            ), False
+        return UsageUnavailable(f"{self._description}: {reason(exc)}"), True
 
     def add(self, increments: Mapping[UsageKey, Increment]) -> None:
         if not increments:
@@ -97,7 +71,3 @@ class PostgresUsageStore:
         with self._session() as conn:
             rows = conn.execute(SELECT + " ORDER BY name, version, operation").fetchall()
         return [UsageRow(*row) for row in rows]
-
-    def close(self) -> None:
-        with self._lock:
-            self._drop()

@@ -9,13 +9,14 @@ of the two, in one transaction. Backends, one module each:
   (``CRYPTD_USAGE_FILE``), which every server worker of the host opens;
 - :mod:`service.usage.postgres`: with the PostgreSQL key store, a table in the same database,
   shared by every replica.
+
+:func:`service.stores.open_usage_store` picks one; this interface imports neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 # (key name, key created_at, version, operation)
@@ -70,22 +71,6 @@ class UsageStore(Protocol):
         """Every row (``cryptd keys usage``)."""
 
     def close(self) -> None: ...
-
-
-def open_usage_store(keystore_url: str | None, usage_file: Path) -> UsageStore:
-    """The PostgreSQL table when the keys live in PostgreSQL, else the SQLite file."""
-    if keystore_url:
-        from service.usage.postgres import PostgresUsageStore
-
-        return PostgresUsageStore(keystore_url)
-    from service.usage.sqlite import SqliteUsageStore
-
-    return SqliteUsageStore(usage_file)
-
-
-def default_usage_file(keyring_file: Path) -> Path:
-    """Beside the keyring: ``keyring.json`` -> ``keyring.usage.sqlite``."""
-    return keyring_file.with_name(keyring_file.stem + ".usage.sqlite")
 
 
 def ordered(increments: Mapping[UsageKey, Increment]) -> list[tuple[UsageKey, Increment]]:

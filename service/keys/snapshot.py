@@ -1,0 +1,278 @@
+"""The keyring this process serves, kept in step with the key store.
+
+Readers take ``snapshot.keyring`` (immutable) and never lock. The snapshot changes in two
+ways, one at a time in this process: a refresh reads the store and serves what it holds once
+verified (a refresh that fails keeps the previous snapshot and records why); :meth:`apply`
+runs one change as one store transaction: read the stored document under the store's lock,
+verify it fully (a store that fails verification is never written: its MAC would launder the
+damage), apply the change one generation up, build and check the new keyring, and only then
+commit; the new snapshot is served the moment the commit returns. Any failure leaves the
+store and the snapshot as they were. What a change is lives elsewhere
+(:mod:`service.keys.mutations`, :mod:`service.keys.transfer`, :mod:`service.keys.schedule`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from service.errors import Conflict, KeystoreUnavailable
+from service.keys.board import Board
+from service.keys.document import KeyringDocument
+from service.keys.integrity import (
+    Verified,
+    build_keyring,
+    check_succession,
+    next_document,
+    open_document,
+    seal,
+)
+from service.keys.keyring import Keyring
+from service.keys.masterkey import MasterKey
+from service.keys.store import (
+    IntegrityError,
+    KeyStore,
+    KeystoreError,
+    NotInitialised,
+    StoreUnavailable,
+)
+
+log = logging.getLogger("cryptd.keyring")
+R = TypeVar("R")
+_UNSET = object()
+
+# The periodic check compares a stamp (a stat, the header row); this often it reads and
+# verifies the whole store anyway, so rows changed behind the service's back show in /readyz.
+FULL_CHECK_INTERVAL = 60.0
+
+
+class Snapshot:
+    def __init__(
+        self,
+        store: KeyStore,
+        master: MasterKey,
+        board: Board,
+        *,
+        read_only: bool = False,
+        activation_delay: float = 0.0,
+        on_reload: Callable[[bool], None] | None = None,
+        expected_deployment: str | None = None,
+    ) -> None:
+        self.store = store
+        self.board = board
+        self._master = master
+        self._read_only = read_only
+        self._activation_delay = activation_delay
+        self._on_reload = on_reload
+        self._expected_deployment = expected_deployment
+        self._lock = threading.Lock()  # one change or refresh at a time in this process
+        self._stamp: object = _UNSET
+        self._verified_at = float("-inf")  # monotonic time of the last full read
+        self._keyring: Keyring | None = None
+        self.document: KeyringDocument | None = None  # what the snapshot was built from
+        self.last_reload_error: str | None = None  # why the store's content was refused
+        self.store_unreachable: str | None = None  # why the store could not be read
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @property
+    def keyring(self) -> Keyring:
+        if self._keyring is None:
+            raise RuntimeError("keyring not loaded")
+        return self._keyring
+
+    @property
+    def store_error(self) -> str | None:
+        return self.store_unreachable or self.last_reload_error
+
+    # Reading the store --------------------------------------------------------------------
+
+    def load(self) -> Keyring:
+        """Initial load; raises KeystoreError so that startup fails loudly."""
+        with self._lock:
+            stamp = self.store.stamp()
+            raw = self.store.read()
+            if raw is None:
+                raise NotInitialised(
+                    f"no keyring in {self.store.description} (create one with "
+                    "`cryptd keystore init`)"
+                )
+            verified = open_document(raw, self._master)
+            check_succession(None, verified, self._expected_deployment)
+            self._keyring = build_keyring(verified, self._master, None, self._activation_delay)
+            self.document = verified.document
+            self._stamp = stamp
+            self._verified_at = time.monotonic()
+            self.board.raise_to(self._keyring.generation)
+            log.info(
+                "keyring loaded",
+                extra={
+                    "generation": self._keyring.generation,
+                    "keys": len(self._keyring),
+                    "pid": os.getpid(),
+                    "store": self.store.backend,
+                },
+            )
+            return self._keyring
+
+    def refresh(self, *, force: bool = False) -> bool:
+        """Load the stored keyring if it changed (always with ``force``), keeping the previous
+        snapshot when the store is unreachable or its content is refused. Never raises.
+        Returns True when a new snapshot is served."""
+        with self._lock:
+            try:
+                stamp = self.store.stamp()
+                due = time.monotonic() - self._verified_at > FULL_CHECK_INTERVAL
+                if not force and not due and stamp == self._stamp:
+                    self.store_unreachable = None
+                    return False
+                raw = self.store.read()
+                self._verified_at = time.monotonic()
+                self.store_unreachable = None
+                if raw is None:
+                    raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                verified = open_document(raw, self._master)
+                if self._keyring is not None and verified.digest == self._keyring.digest:
+                    self._stamp = stamp
+                    self._reload_outcome(None)
+                    return False
+                check_succession(self._keyring, verified, self._expected_deployment)
+                keyring = build_keyring(
+                    verified, self._master, self._keyring, self._activation_delay
+                )
+            except StoreUnavailable as exc:
+                if self.store_unreachable != str(exc):
+                    log.error(
+                        "key store unreachable; serving the keyring in memory",
+                        extra={"reason": str(exc)},
+                    )
+                self.store_unreachable = str(exc)
+                return False
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, KeystoreError) else type(exc).__name__
+                self._reload_outcome(reason)
+                return False
+            self._keyring = keyring
+            self.document = verified.document
+            self._stamp = stamp
+            self.board.raise_to(keyring.generation)
+            self._reload_outcome(None)
+            log.info(
+                "keyring loaded",
+                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
+            )
+            return True
+
+    def caught_up(self) -> Keyring:
+        """The snapshot in memory if it is as new as this host's board; else 503: a change
+        acknowledged on this host is not loaded here yet (the store could not be read, or
+        gave back an older keyring), and serving the older snapshot would undo it."""
+        keyring = self.keyring
+        enforced = self.board.generation
+        if enforced > keyring.generation:
+            why = self.store_error or f"the store holds generation {keyring.generation}"
+            raise KeystoreUnavailable(
+                f"a key change (keyring generation {enforced}) is in force on this host and "
+                f"this worker could not load it yet ({why}); nothing was served. Retry in a "
+                "moment; if this lasts, the key store lost acknowledged changes: check it, "
+                "then restart cryptd"
+            )
+        return keyring
+
+    def current(self) -> Keyring:
+        """:meth:`caught_up`, reading the store first when the board is ahead (blocking: for
+        threads; the event loop goes through service.keys.watch)."""
+        if self.board.cell[0] > self.keyring.generation:
+            self.refresh(force=True)
+        return self.caught_up()
+
+    def reload(self) -> bool:
+        """Read the store now (SIGHUP). True when the stored keyring is the one served."""
+        self.refresh(force=True)
+        return self.store_error is None
+
+    def _reload_outcome(self, error: str | None) -> None:
+        changed = error != self.last_reload_error
+        self.last_reload_error = error
+        if error is not None and changed:
+            log.error("keyring refused; keeping the previous keyring", extra={"reason": error})
+        if self._on_reload is not None and (changed or error is None):
+            self._on_reload(error is None)
+
+    # Changing it --------------------------------------------------------------------------
+
+    def apply(self, change: Callable[[KeyringDocument], R]) -> tuple[Keyring, R]:
+        """One change in one store transaction (see the module docstring): ``change`` edits
+        the next document in place and returns what the caller wants back."""
+        if self._read_only:
+            raise Conflict("the keyring is read-only on this instance; manage keys with the CLI")
+        with self._lock:
+            try:
+                with self.store.transaction() as transaction:
+                    raw = transaction.read()
+                    if raw is None:
+                        raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                    current = open_document(raw, self._master)
+                    check_succession(self._keyring, current, self._expected_deployment)
+                    document = next_document(current)
+                    result = change(document)
+                    if document.keys == current.document.keys:
+                        # Nothing to change (a key already there, a rotation already done
+                        # elsewhere): no write, no new generation; serve what is stored.
+                        keyring = build_keyring(
+                            current, self._master, self._keyring, self._activation_delay
+                        )
+                        document = current.document
+                    else:
+                        sealed, digest = seal(document, self._master)
+                        keyring = build_keyring(
+                            Verified(document, digest),
+                            self._master,
+                            self._keyring,
+                            self._activation_delay,
+                        )
+                        transaction.write(sealed)
+            except IntegrityError as exc:
+                self._reload_outcome(str(exc))
+                raise _refused(str(exc)) from None
+            except StoreUnavailable as exc:
+                raise _unavailable(str(exc)) from None
+            self._keyring = keyring
+            self.document = document
+            # Before the caller answers: from here on no worker of this host serves an older
+            # snapshot (each compares the board before it uses a key).
+            self.board.raise_to(keyring.generation)
+            self.last_reload_error = None
+            self.store_unreachable = None
+            try:
+                self._stamp = self.store.stamp()
+            except KeystoreError:
+                self._stamp = _UNSET  # the next check reads the store again
+            log.info(
+                "keyring changed",
+                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
+            )
+            return keyring, result
+
+
+def _refused(reason: str) -> KeystoreUnavailable:
+    log.error("key management refused: the key store failed verification", extra={"reason": reason})
+    return KeystoreUnavailable(
+        f"the key store failed verification ({reason}); key management is refused and "
+        "nothing was changed. Crypto keeps serving the keyring loaded before. Restore the "
+        "keyring from a backup (or undo the edit), then retry."
+    )
+
+
+def _unavailable(reason: str) -> KeystoreUnavailable:
+    log.error("key management refused: the key store is unavailable", extra={"reason": reason})
+    return KeystoreUnavailable(
+        f"{reason}; nothing was changed and the keyring in memory still serves. Retry once "
+        "the store is back (free space, fix permissions, or restore the database connection)."
+    )
