@@ -203,7 +203,7 @@ def rewrap_alone(
 
     def one(page: Sequence[str]) -> int:
         items = [{"ciphertext": t, "to_key": target} for t in page]
-        results = rewrapper._rewrap(source, items)
+        results = rewrapper._send(client.rewrap_batch, source, items)
         return sum(1 for r in results if not isinstance(r, Exception))
 
     with CpuWindow(server.pids, "self") as window:

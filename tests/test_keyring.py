@@ -186,7 +186,7 @@ async def test_a_miss_looks_in_the_store_once_and_finds_the_new_key(tmp_path: Pa
         calls += 1
         return original(force=force)
 
-    reader.refresh = counting  # type: ignore[method-assign]
+    reader.refresh = counting
     watcher = KeyringWatcher(reader, interval=3600)
     writer.create("late", "aes256-gcm")
     assert "late" not in reader.keyring
