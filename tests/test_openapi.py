@@ -114,3 +114,17 @@ def test_schemas_are_as_strict_as_the_service() -> None:
     assert "" not in schemas["CreateKeyRequest"]["properties"]["type"]["enum"]
     assert schemas["DatakeyRequest"]["properties"]["bits"]["enum"] == [128, 256]
     assert len(schemas["SignRequest"]["not"]["anyOf"]) == 2  # message xor digest
+
+
+def test_every_success_answer_with_a_body_declares_its_schema() -> None:
+    # An outside client generator needs the body of each 2xx: a 204 alone has none.
+    document = json.loads(DOCUMENT.read_text(encoding="utf-8"))
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            for status, answer in operation["responses"].items():
+                if not status.startswith("2") or status == "204":
+                    continue
+                content = answer.get("content", {})
+                assert content, f"{method.upper()} {path} {status}: no content"
+                for media, body in content.items():
+                    assert body.get("schema"), f"{method.upper()} {path} {status} {media}"
