@@ -34,6 +34,30 @@ def _exactly_one(message: bytes | None, digest: bytes | None) -> None:
         raise ValueError("give exactly one of message and digest")
 
 
+def _signing_body(
+    message: bytes | None,
+    digest: bytes | None,
+    signature: bytes | None,
+    algorithm: str | None,
+    signer_id: str | None,
+    encoding: str | None,
+    key_version: int | None,
+    hash_algorithm: str | None,
+) -> dict[str, Any]:
+    """The body of sign (``signature`` None) and of verify, in the order both send it."""
+    _exactly_one(message, digest)
+    return _body(
+        message=message,
+        digest=digest,
+        signature=signature,
+        algorithm=algorithm,
+        signer_id=signer_id,
+        encoding=encoding,
+        key_version=key_version,
+        hash_algorithm=hash_algorithm,
+    )
+
+
 def _batches(
     operation: str,
     key: str,
@@ -104,16 +128,8 @@ class CryptoEndpoints(BaseClient):
         key_version: int | None = None,
         hash_algorithm: str | None = None,
     ) -> _Call[SignResult]:
-        _exactly_one(message, digest)
-        body = _body(
-            message=message,
-            digest=digest,
-            algorithm=algorithm,
-            signer_id=signer_id,
-            encoding=encoding,
-            key_version=key_version,
-            hash_algorithm=hash_algorithm,
-        )
+        options = (algorithm, signer_id, encoding, key_version, hash_algorithm)
+        body = _signing_body(message, digest, None, *options)
         return _Call("POST", _key_path("sign", key), body, _sign_result)
 
     @operation
@@ -130,17 +146,8 @@ class CryptoEndpoints(BaseClient):
         key_version: int | None = None,
         hash_algorithm: str | None = None,
     ) -> _Call[bool]:
-        _exactly_one(message, digest)
-        body = _body(
-            message=message,
-            digest=digest,
-            signature=signature,
-            algorithm=algorithm,
-            signer_id=signer_id,
-            encoding=encoding,
-            key_version=key_version,
-            hash_algorithm=hash_algorithm,
-        )
+        options = (algorithm, signer_id, encoding, key_version, hash_algorithm)
+        body = _signing_body(message, digest, signature, *options)
         return _Call("POST", _key_path("verify", key), body, _verify_result)
 
     @operation

@@ -175,6 +175,18 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def _new_key_settings(args: argparse.Namespace, op: str) -> tuple[str, dict[str, bool]]:
+    """The type (required) and the settings of the key ``create`` or ``import`` makes."""
+    if not args.type:
+        raise ValueError(f"{op} needs --type")
+    settings = {
+        "deletion_allowed": bool(args.deletion_allowed),
+        "derived": args.derived,
+        "convergent": args.convergent,
+    }
+    return args.type, settings
+
+
 def _metadata(meta: KeyMetadata) -> dict[str, Any]:
     return dict(meta.raw)
 
@@ -256,16 +268,8 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     if op == "key":
         return _metadata(client.get_key(key)), 0
     if op == "create":
-        if not args.type:
-            raise ValueError("create needs --type")
-        created = client.create_key(
-            key,
-            args.type,
-            bool(args.deletion_allowed),
-            derived=args.derived,
-            convergent=args.convergent,
-        )
-        return _metadata(created), 0
+        type_name, settings = _new_key_settings(args, op)
+        return _metadata(client.create_key(key, type_name, **settings)), 0
     if op == "update":
         return _metadata(client.update_key(key, **settings_from_args(args))), 0
     if op == "delete":
@@ -279,16 +283,8 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     if op == "wrapping-key":
         return {"public_key": client.wrapping_key()}, 0
     if op == "import":
-        if not args.type:
-            raise ValueError("import needs --type")
-        imported = client.import_key(
-            key,
-            args.type,
-            wire_material(data, args.type),
-            deletion_allowed=bool(args.deletion_allowed),
-            derived=args.derived,
-            convergent=args.convergent,
-        )
+        type_name, settings = _new_key_settings(args, op)
+        imported = client.import_key(key, type_name, wire_material(data, type_name), **settings)
         return _metadata(imported), 0
     if op == "import-version":
         type_name = client.get_key(key).type

@@ -94,26 +94,16 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         ),
-        pool_queued=Gauge(
-            POOL_QUEUED,
-            "Tasks admitted to an executor and waiting for a worker.",
-            ("executor",),
-            multiprocess_mode="livesum",
-            registry=registry,
+        pool_queued=_executor_gauge(
+            POOL_QUEUED, "Tasks admitted to an executor and waiting for a worker.", registry
         ),
-        pool_in_flight=Gauge(
-            POOL_IN_FLIGHT,
-            "Tasks running on an executor's workers.",
-            ("executor",),
-            multiprocess_mode="livesum",
-            registry=registry,
+        pool_in_flight=_executor_gauge(
+            POOL_IN_FLIGHT, "Tasks running on an executor's workers.", registry
         ),
-        pool_max_pending=Gauge(
+        pool_max_pending=_executor_gauge(
             POOL_MAX_PENDING,
             "Queued plus running tasks an executor admits before answering 503.",
-            ("executor",),
-            multiprocess_mode="livesum",
-            registry=registry,
+            registry,
         ),
         pool_queue_wait=Histogram(
             POOL_QUEUE_WAIT,
@@ -163,3 +153,8 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             registry=registry,
         ),
     )
+
+
+def _executor_gauge(name: str, documentation: str, registry: CollectorRegistry | None) -> Gauge:
+    """A per-executor pool gauge, summed over the live workers (see create_families)."""
+    return Gauge(name, documentation, ("executor",), multiprocess_mode="livesum", registry=registry)

@@ -77,27 +77,15 @@ class ScrapeTimeCollector:
             "Length of the sliding window behind the *_window_* quantile gauges.",
             value=self._window_seconds,
         )
-        http_q = GaugeMetricFamily(
-            names.HTTP_WINDOW,
-            "HTTP latency quantiles over the sliding window, merged across processes (DDSketch,"
-            " 1% relative accuracy).",
-            labels=["route", "method", "quantile"],
+        http_q, http_n = _window_families(
+            names.HTTP_WINDOW, names.HTTP_WINDOW_COUNT, "HTTP", "HTTP requests", ("route", "method")
         )
-        http_n = GaugeMetricFamily(
-            names.HTTP_WINDOW_COUNT,
-            "HTTP requests inside the sliding window behind the quantile gauges.",
-            labels=["route", "method"],
-        )
-        crypto_q = GaugeMetricFamily(
+        crypto_q, crypto_n = _window_families(
             names.CRYPTO_WINDOW,
-            "Per-operation latency quantiles over the sliding window, merged across processes"
-            " (DDSketch, 1% relative accuracy).",
-            labels=["operation", "key_type", "quantile"],
-        )
-        crypto_n = GaugeMetricFamily(
             names.CRYPTO_WINDOW_COUNT,
-            "Cryptographic operations inside the sliding window behind the quantile gauges.",
-            labels=["operation", "key_type"],
+            "Per-operation",
+            "Cryptographic operations",
+            ("operation", "key_type"),
         )
         for (family, first, second), summary in sorted(self._windows().items()):
             quantiles, counts = (http_q, http_n) if family == "http" else (crypto_q, crypto_n)
@@ -105,6 +93,24 @@ class ScrapeTimeCollector:
             for q, value in summary.quantiles.items():
                 quantiles.add_metric([first, second, _format_quantile(q)], value)
         yield from (http_q, http_n, crypto_q, crypto_n)
+
+
+def _window_families(
+    quantile_name: str, count_name: str, timed: str, counted: str, labels: tuple[str, str]
+) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    """A series' window quantiles (labelled by ``labels`` and the quantile) and its count."""
+    quantiles = GaugeMetricFamily(
+        quantile_name,
+        f"{timed} latency quantiles over the sliding window, merged across processes (DDSketch,"
+        " 1% relative accuracy).",
+        labels=[*labels, "quantile"],
+    )
+    counts = GaugeMetricFamily(
+        count_name,
+        f"{counted} inside the sliding window behind the quantile gauges.",
+        labels=list(labels),
+    )
+    return quantiles, counts
 
 
 def _format_quantile(q: float) -> str:
