@@ -1,18 +1,25 @@
 """/docs works offline: headless Chromium (Debian's, driven by Playwright) renders
-every operation from the served document, and no request leaves the host. (Production keeps
-them off unless CRYPTD_DOCS=true: tests/test_docs_config.py.)"""
+every operation from the served document, no request leaves the host, and in development "Try
+it out" signs its requests in the browser, so an encrypt and a sign made from the page succeed
+and their answers decrypt and verify with the Python client. (Production keeps the pages off
+unless CRYPTD_DOCS=true, and never signs: tests/test_docs_config.py.)"""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from cryptd_client import CryptdClient
 from service.api import spec
 from tests.conftest import Server
 
@@ -87,6 +94,7 @@ def test_swagger_ui_renders_every_operation_offline(
     }
     assert shown == {(r.method, r.path) for r in spec.ROUTES}
     assert page.locator(".scheme-container .authorize").count() == 1  # type: ignore[attr-defined]
+    assert page.locator("#cryptd-signer-load").is_visible()  # type: ignore[attr-defined]
     assert not _foreign(requested, server.url), requested
     assert server.url + "/openapi.json" in requested
     assert not errors, errors
@@ -102,3 +110,77 @@ def test_pages_carry_a_policy_that_keeps_them_on_this_origin(server: Server) -> 
         assert "default-src 'none'" in policy
         assert "https://" not in answer.text
         assert "http://" not in answer.text
+
+
+def _try_it_out(page: Any, operation: str, key: str, body: str) -> tuple[int, dict[str, Any]]:
+    """Expand one operation, fill its key and body, press Execute, return the answer shown."""
+    from playwright.sync_api import expect
+
+    block = page.locator(f"#operations-{operation}")
+    if block.locator(".try-out__btn").count() == 0:
+        block.locator(".opblock-summary").first.click()
+    if block.locator(".try-out__btn.cancel").count() == 0:  # not in "Try it out" mode yet
+        block.locator(".try-out__btn").click()
+    block.locator('tr[data-param-name="key"] input').fill(key)
+    block.locator("textarea.body-param__text").fill(body)
+    with page.expect_response(lambda r: f"/{operation.split('-')[1]}/{key}" in r.url) as answer:
+        block.locator("button.execute").click()
+    response = answer.value
+    shown = block.locator(".live-responses-table tbody .response-col_status").first
+    expect(shown).to_have_text(str(response.status))  # the page shows what the server said
+    return response.status, response.json()
+
+
+def _wait_signing(page: Any, client_id: str) -> None:
+    page.wait_for_selector('#cryptd-signer-status[data-state="signing"]', timeout=10_000)
+    assert f'"{client_id}"' in page.locator("#cryptd-signer-status").inner_text()
+
+
+def test_try_it_out_signs_in_the_browser(browser: object, server: Server) -> None:
+    """Unsigned, "Try it out" is refused (401); with the development client (fetched when the
+    page asks) an encrypt is answered 200 with a ciphertext the Python client decrypts; with a
+    secret pasted into the page a sign is answered 200 with a signature the Python client
+    verifies. Every /v1/ request carries the RFC 9421 headers; nothing leaves the host."""
+    page, requested, errors = _visit(browser, server.url + "/docs", ".opblock")
+    sent: list[dict[str, str]] = []
+    page.on(  # type: ignore[attr-defined]
+        "request", lambda r: sent.append(r.headers) if "/v1/" in r.url else None
+    )
+    plaintext = secrets.token_bytes(24)
+    body = json.dumps({"plaintext": base64.b64encode(plaintext).decode()}, indent=2)
+
+    status, answer = _try_it_out(page, "crypto-encrypt", "aes256-gcm", body)
+    assert (status, answer["error"]["code"]) == (401, "unauthenticated")
+
+    page.locator("#cryptd-signer-load").click()  # type: ignore[attr-defined]
+    _wait_signing(page, "dev")
+    status, answer = _try_it_out(page, "crypto-encrypt", "aes256-gcm", body)
+    assert status == 200, answer
+    secret_b64 = base64.b64encode(server.secret).decode()
+    with CryptdClient(server.url, server.client_id, secret_b64) as client:
+        assert client.decrypt("aes256-gcm", answer["ciphertext"]).plaintext == plaintext
+
+    page.locator("#cryptd-signer-forget").click()  # type: ignore[attr-defined]
+    page.locator("#cryptd-signer-id").fill(server.client_id)  # type: ignore[attr-defined]
+    page.locator("#cryptd-signer-secret").fill(secret_b64)  # type: ignore[attr-defined]
+    page.locator("#cryptd-signer-form button[type=submit]").click()  # type: ignore[attr-defined]
+    _wait_signing(page, server.client_id)
+    assert page.locator("#cryptd-signer-secret").input_value() == ""  # type: ignore[attr-defined]
+    message = secrets.token_bytes(40)
+    body = json.dumps({"message": base64.b64encode(message).decode()})
+    status, answer = _try_it_out(page, "crypto-sign", "ed25519", body)
+    assert status == 200, answer
+    with CryptdClient(server.url, server.client_id, secret_b64) as client:
+        signature = base64.b64decode(answer["signature"])
+        assert client.verify("ed25519", message, signature=signature) is True
+        assert client.verify("ed25519", message + b"!", signature=signature) is False
+
+    assert len(sent) == 3
+    assert "signature" not in sent[0]
+    for headers in sent[1:]:
+        assert headers["signature-input"].startswith(
+            'sig1=("@method" "@path" "@query" "content-digest" "content-type");created='
+        )
+        assert headers["content-type"] == "application/json"
+    assert not _foreign(requested, server.url), requested
+    assert [e for e in errors if "401" not in e] == [], errors

@@ -322,7 +322,19 @@ def create_app(
     app.include_router(keys.router)
     app.include_router(crypto.router)
     app.include_router(random.router)
-    docs.install(app, enabled=settings.docs_enabled(), required=settings.docs is True)
+    docs.install(
+        app,
+        enabled=settings.docs_enabled(),
+        required=settings.docs is True,
+        # The page signs as the development client in development only (never in production).
+        dev_client=docs.DevClient(
+            docs.DEV_CLIENT_ID,
+            lambda client_id: auth.clients().secret_for(client_id),
+            settings.host,
+        )
+        if settings.env == "development"
+        else None,
+    )
 
     app.include_router(metrics_route.router(metrics))
 
