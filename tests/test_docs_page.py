@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from cryptd_client import CryptdClient
+from cryptd_client import CryptdClient, sign_request
 from service.api import spec
 from tests.conftest import Server
 
@@ -184,3 +184,43 @@ def test_try_it_out_signs_in_the_browser(browser: object, server: Server) -> Non
         assert headers["content-type"] == "application/json"
     assert not _foreign(requested, server.url), requested
     assert [e for e in errors if "401" not in e] == [], errors
+
+
+_SIGN_IN_PAGE = """async ([method, target, body, clientId, secret, created, nonce]) => {
+  const raw = Uint8Array.from(atob(secret), (c) => c.charCodeAt(0));
+  const key = await crypto.subtle.importKey(
+    "raw", raw, { name: "HMAC", hash: "SHA-256" }, false, ["sign"]);
+  return window.cryptdSignatureHeaders(
+    method, new URL(target, location.href), body, clientId, key, created, nonce);
+}"""
+
+
+def test_page_signer_matches_the_known_answer_vector(browser: object, server: Server) -> None:
+    """The page's WebCrypto signer gives docs/AUTH.md's vector, and the Python signer's
+    headers for a percent-encoded path, a query and an empty body."""
+    vector = json.loads((Path(__file__).parent / "vectors" / "request_signature.json").read_text())
+    page, _, errors = _visit(browser, server.url + "/docs", ".opblock")
+    cases = [
+        (vector["method"], vector["path"], vector["query"], vector["body"]),
+        ("POST", "/v1/encrypt/my%20key", "a=1&b=%2F", '{"plaintext": "eA=="}'),
+        ("GET", "/v1/keys", "", ""),
+    ]
+    for method, path, query, body in cases:
+        target = path + (f"?{query}" if query else "")
+        args = [method, target, body, vector["client_id"], vector["secret"]]
+        headers = page.evaluate(  # type: ignore[attr-defined]
+            _SIGN_IN_PAGE, [*args, vector["created"], vector["nonce"]]
+        )
+        assert headers == sign_request(
+            method,
+            path,
+            query,
+            body.encode(),
+            vector["client_id"],
+            base64.b64decode(vector["secret"]),
+            created=vector["created"],
+            nonce=vector["nonce"],
+        )
+        if path == vector["path"]:
+            assert headers == vector["headers"]
+    assert not errors, errors

@@ -81,19 +81,13 @@
     headers[name] = value;
   }
 
-  async function sign(request) {
-    if (signer === null) return request;
-    const url = new URL(request.url, window.location.href);
-    if (url.origin !== window.location.origin || !url.pathname.startsWith("/v1/")) return request;
-    if (request.body != null && typeof request.body !== "string") {
-      throw new Error("cryptd signs JSON bodies only");
-    }
-    const method = request.method.toUpperCase();
-    const body = encoder.encode(request.body == null ? "" : request.body);
-    const digest = `sha-256=:${base64(await crypto.subtle.digest("SHA-256", body))}:`;
-    const created = Math.floor(Date.now() / 1000);
-    const params = `${COVERED};created=${created};nonce="${nonce()}";` +
-      `keyid="${signer.clientId}";alg="hmac-sha256"`;
+  // The four headers of one request (docs/AUTH.md, "Signing recipe"). `url` is a URL object,
+  // `body` the exact body text, `key` an HMAC CryptoKey. Pure: the known-answer test calls it.
+  async function signatureHeaders(method, url, body, clientId, key, created, nonceValue) {
+    const bytes = encoder.encode(body);
+    const digest = `sha-256=:${base64(await crypto.subtle.digest("SHA-256", bytes))}:`;
+    const params = `${COVERED};created=${created};nonce="${nonceValue}";` +
+      `keyid="${clientId}";alg="hmac-sha256"`;
     // "@path" as sent (URL keeps it percent-encoded); "@query" is "?" and the query, if any.
     const base = [
       `"@method": ${method}`,
@@ -103,13 +97,29 @@
       `"content-type": ${CONTENT_TYPE}`,
       `"@signature-params": ${params}`,
     ].join("\n");
-    const mac = await crypto.subtle.sign("HMAC", signer.key, encoder.encode(base));
+    const mac = await crypto.subtle.sign("HMAC", key, encoder.encode(base));
+    return {
+      "Content-Type": CONTENT_TYPE,
+      "Content-Digest": digest,
+      "Signature-Input": `sig1=${params}`,
+      "Signature": `sig1=:${base64(mac)}:`,
+    };
+  }
+
+  async function sign(request) {
+    if (signer === null) return request;
+    const url = new URL(request.url, window.location.href);
+    if (url.origin !== window.location.origin || !url.pathname.startsWith("/v1/")) return request;
+    if (request.body != null && typeof request.body !== "string") {
+      throw new Error("cryptd signs JSON bodies only");
+    }
+    const method = request.method.toUpperCase();
+    const headers = await signatureHeaders(
+      method, url, request.body == null ? "" : request.body, signer.clientId, signer.key,
+      Math.floor(Date.now() / 1000), nonce());
     request.method = method;
     request.headers = request.headers || {};
-    setHeader(request.headers, "Content-Type", CONTENT_TYPE);
-    setHeader(request.headers, "Content-Digest", digest);
-    setHeader(request.headers, "Signature-Input", `sig1=${params}`);
-    setHeader(request.headers, "Signature", `sig1=:${base64(mac)}:`);
+    for (const [name, value] of Object.entries(headers)) setHeader(request.headers, name, value);
     return request;
   }
 
@@ -152,5 +162,6 @@
   } else {
     options.supportedSubmitMethods = []; // no "Try it out": the page cannot sign here
   }
+  window.cryptdSignatureHeaders = signatureHeaders; // holds no secret: for the tests
   window.ui = SwaggerUIBundle(options);
 })();
