@@ -189,7 +189,8 @@ def _refuse_unused(args: argparse.Namespace) -> None:
             continue
         value = getattr(args, action.dest, None)
         # Flags default to False, every other option to None: anything else was given.
-        if value is not None and value is not False:
+        unset = False if isinstance(action, argparse._StoreTrueAction) else None
+        if value is not unset:
             takes = ", ".join(_option(parser, dest) for dest in OPTIONS.get(op, ())) or "none"
             parser.error(f"'{op}' does not take {action.option_strings[-1]} (its options: {takes})")
 
