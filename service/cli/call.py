@@ -106,7 +106,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "backup to restore) comes from --data, --data-file or stdin. Binary output is base64. "
         "'import' wraps the material here under the server's wrapping key: secret keys as hex "
         "digits or raw bytes, private keys as PKCS#8 (PEM or DER). 'verify' exits 1 when the "
-        "signature is not valid; API errors are printed to stderr as JSON with exit status 1.",
+        "signature is not valid; API errors are printed to stderr as JSON with exit status 1. "
+        "A 429 or 503 is retried after its Retry-After, signed afresh (up to 3 times, 30 s in "
+        "all); key management that changes state is never sent twice.",
     )
     parser.add_argument("op", choices=OPERATIONS + KEY_COMMANDS, help="operation")
     parser.add_argument("key", nargs="?", help="key name (all operations but 'keys', 'random')")
