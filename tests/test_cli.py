@@ -36,6 +36,17 @@ def test_bare_cryptd_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"    {command}" in out
 
 
+@pytest.mark.parametrize(("group", "action"), [("keys", "rotate"), ("clients", "add")])
+def test_a_command_group_alone_prints_its_help(
+    group: str, action: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([group]) == 2
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith(f"usage: cryptd {group}")
+    assert action in out
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [

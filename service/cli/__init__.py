@@ -53,13 +53,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _group_without_action(
+    parser: argparse.ArgumentParser, arguments: Sequence[str]
+) -> argparse.ArgumentParser | None:
+    """The parser whose help answers ``arguments``: the root's for none, a command group's
+    (``cryptd keys``) for its name alone; None when there is a command to run."""
+    if not arguments:
+        return parser
+    if len(arguments) == 1:
+        command = _subcommands(parser).get(arguments[0])
+        if command is not None and _subcommands(command):
+            return command
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     arguments = sys.argv[1:] if argv is None else list(argv)
-    if not arguments:
-        # No command: the overview of every command rather than a one-line usage error;
-        # still the usage-error status, since nothing was done.
-        parser.print_help()
+    group = _group_without_action(parser, arguments)
+    if group is not None:
+        # No command (or a group such as `cryptd keys` without its action): the overview
+        # rather than a one-line usage error; still the usage-error status, as nothing ran.
+        group.print_help()
         return 2
     args = parser.parse_args(arguments)
     try:
