@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from loadtest.algorithms import rates
 from loadtest.algorithms.table import size_label
+from service.cli.bench import require_charts
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -208,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="a runner JSON file (loadtest/results/...)")
     parser.add_argument("chart", type=Path, help="PNG to write")
     args = parser.parse_args(argv)
+    try:
+        require_charts("drawing a chart")
+    except OSError as exc:
+        parser.error(str(exc))
     comparison_chart(json.loads(args.results.read_text()), args.chart)
     print(args.chart)
     return 0

@@ -67,6 +67,7 @@ from loadtest.targets import (
     PrivateRedis,
     Target,
 )
+from service.cli.bench import require_charts
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -127,6 +128,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.chart:
+        try:
+            require_charts()  # before the run, not after it
+        except OSError as exc:
+            print(f"loadtest.run: error: {exc}", file=sys.stderr)
+            return 2
     plan = make_plan(args)
     if wrk_missing():
         return 2

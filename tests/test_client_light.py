@@ -11,10 +11,20 @@ import sys
 import venv
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from cryptd_client import CryptdClient, sign_request
+from cryptd_client import (
+    CryptdClient,
+    CryptdConfigurationError,
+    CryptdConnectionError,
+    OverloadedError,
+    sign_request,
+)
 from tests.conftest import Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +154,130 @@ def test_module_has_no_server_imports() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("localhost:8080", "must start with http:// or https://"),
+        ("127.0.0.1:8080", "must start with http:// or https://"),
+        ("cryptd.example", "must start with http:// or https://"),
+        ("ftp://cryptd.example", "must start with http:// or https://"),
+        ("http://", "must start with http:// or https://"),
+        ("http://cryptd.example:80x", "not a valid URL"),
+        ("https://user:pw@cryptd.example", "user or password"),
+        ("https://cryptd.example/?a=1", "query or fragment"),
+    ],
+)
+def test_a_url_that_cannot_work_is_refused_at_construction(url: str, message: str) -> None:
+    with pytest.raises(CryptdConfigurationError, match=re.escape(message)) as info:
+        CryptdClient(url, "c", "c2VjcmV0")
+    assert isinstance(info.value, ValueError)  # what code catching the lower error expects
+    assert "pw" not in str(info.value)
+
+
+def test_a_secret_that_is_not_base64_is_refused_without_echo(tmp_path: Path) -> None:
+    for secret in ("not base64!", "c2VjcmV0!", "abc", ""):
+        with pytest.raises(CryptdConfigurationError, match="secret is") as info:
+            CryptdClient("http://127.0.0.1:1", "c", secret)
+        # No binascii.Error shown beneath it.
+        assert info.value.__cause__ is None
+        assert info.value.__context__ is None or info.value.__suppress_context__
+        if secret:
+            assert secret not in str(info.value)
+    credential = tmp_path / "client.json"
+    credential.write_text(json.dumps({"url": "http://h:1", "client_id": "c", "secret": "x y"}))
+    with pytest.raises(CryptdConfigurationError, match=f"^{re.escape(str(credential))}: secret"):
+        CryptdClient.from_file(credential)
+
+
+def test_state_changing_key_management_is_marked_not_idempotent(offline: CryptdClient) -> None:
+    from cryptd_client._crypto_endpoints import CryptoEndpoints
+    from cryptd_client._key_endpoints import KeyEndpoints
+
+    def work(cls: type, name: str, *args: object, **kwargs: object) -> Any:
+        return vars(cls)[name].build(offline, *args, **kwargs)
+
+    changing = {
+        "create_key": work(KeyEndpoints, "create_key", "k", "aes256-gcm"),
+        "rotate_key": work(KeyEndpoints, "rotate_key", "k"),
+        "update_key": work(KeyEndpoints, "update_key", "k", state="disabled"),
+        "delete_key": work(KeyEndpoints, "delete_key", "k"),
+        "cancel_deletion": work(KeyEndpoints, "cancel_deletion", "k"),
+        "restore_key": work(KeyEndpoints, "restore_key", "k", "backup"),
+    }
+    assert {name: call.idempotent for name, call in changing.items()} == dict.fromkeys(
+        changing, False
+    )
+    reading = [
+        work(KeyEndpoints, "get_key", "k"),
+        work(KeyEndpoints, "list_keys"),
+        work(KeyEndpoints, "backup_key", "k"),
+        work(KeyEndpoints, "wrapping_key"),
+        work(CryptoEndpoints, "encrypt", "k", b"x"),
+        work(CryptoEndpoints, "random", 8),
+    ]
+    assert all(call.idempotent for call in reading)
+    # import sends its material in a second call, after reading the wrapping key.
+    plan = work(KeyEndpoints, "import_key", "k", "aes256-gcm", b"\x00" * 32)
+    assert next(plan).idempotent
+    wrapping = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
+    pem = wrapping.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
+    assert plan.send(pem).idempotent is False
+
+
+def _attempts(client: CryptdClient, call: Any, outcomes: list[Any]) -> tuple[int, Any]:
+    """Drive one call's retry decisions with these outcomes (no I/O): the number of requests
+    it made, and what it ended with (its result, or the error it raised)."""
+    steps = client._steps(call)
+    sent = 0
+    try:
+        for action in steps:
+            if isinstance(action, httpx.Request):
+                steps.answer(outcomes[sent])
+                sent += 1
+    except Exception as exc:  # the call's own error
+        return sent, exc
+    return sent, steps.result
+
+
+def test_retry_decisions(offline: CryptdClient) -> None:
+    from cryptd_client._crypto_endpoints import CryptoEndpoints
+    from cryptd_client._key_endpoints import KeyEndpoints
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/")
+    refused = httpx.Response(
+        503,
+        headers={"Retry-After": "0"},
+        json={
+            "error": {
+                "code": "overloaded",
+                "message": "replay store restarted: sign the request again",
+            }
+        },
+    )
+    ok = httpx.Response(200, json={"random": "AAAAAAAAAAA="})
+    client = CryptdClient("http://127.0.0.1:1", "c", "c2VjcmV0", retries=3)
+    with client:
+        random = vars(CryptoEndpoints)["random"].build(client, 8)
+        assert _attempts(client, random, [refused, refused, ok]) == (3, bytes(8))
+        sent, error = _attempts(client, random, [refused] * 5)
+        assert sent == 4
+        assert isinstance(error, OverloadedError)
+        # A Retry-After beyond the longest single wait is not slept through.
+        late = httpx.Response(503, headers={"Retry-After": "3600"}, json=refused.json())
+        assert _attempts(client, random, [late, ok])[0] == 1
+
+        rotate = vars(KeyEndpoints)["rotate_key"].build(client, "k")
+        sent, error = _attempts(client, rotate, [refused, ok])
+        assert sent == 1
+        assert isinstance(error, OverloadedError)
+        lost = httpx.RemoteProtocolError("closed", request=request)
+        sent, error = _attempts(client, rotate, [lost, ok])
+        assert sent == 1
+        assert isinstance(error, CryptdConnectionError)
+        # Never sent at all: sending it now is its first copy.
+        never = httpx.ConnectError("refused", request=request)
+        metadata = {"name": "k", "type": "aes256-gcm", "latest_version": 2}
+        rotated = httpx.Response(200, json={**metadata, "min_decryption_version": 1})
+        assert _attempts(client, rotate, [never, rotated])[0] == 2

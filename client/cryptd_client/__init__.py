@@ -1,5 +1,6 @@
 """cryptd's Python client: every request signed (RFC 9421 ``hmac-sha256``), typed results,
-typed errors, retries on 429 / 503 that honour ``Retry-After``. Needs httpx and nothing of the
+typed errors, retries on 429 / 503 that honour ``Retry-After`` (never for key management that
+changes state). Needs httpx and nothing of the
 server::
 
     from cryptd_client import CryptdClient
@@ -26,6 +27,7 @@ from cryptd_client.errors import (
     ERRORS,
     ConflictError,
     CryptdAPIError,
+    CryptdConfigurationError,
     CryptdConnectionError,
     DecryptionFailedError,
     ForbiddenError,
@@ -67,6 +69,7 @@ __all__ = [
     "ConflictError",
     "CryptdAPIError",
     "CryptdClient",
+    "CryptdConfigurationError",
     "CryptdConnectionError",
     "DataKey",
     "DecryptResult",

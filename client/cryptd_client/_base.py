@@ -6,11 +6,13 @@ actions (a request to send, a delay to sleep) that a transport carries out and a
 from __future__ import annotations
 
 import base64
+import binascii
 import email.utils
 import json
 import random
 import ssl
 import time
+import urllib.parse
 import uuid
 from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
@@ -19,7 +21,12 @@ from typing import Any, ClassVar, Final, Generic, Literal, Self, TypeAlias, Type
 import httpx
 
 from cryptd_client._wire import _Call
-from cryptd_client.errors import CryptdAPIError, CryptdConnectionError, api_error
+from cryptd_client.errors import (
+    CryptdAPIError,
+    CryptdConfigurationError,
+    CryptdConnectionError,
+    api_error,
+)
 from cryptd_client.signing import CONTENT_TYPE, sign_request
 
 T = TypeVar("T")
@@ -40,6 +47,10 @@ RETRY_ERRORS: Final = (
     httpx.PoolTimeout,
     httpx.RemoteProtocolError,
 )
+# The subset where no byte of the request left this process: the only failures after which a
+# call that changes state (not idempotent) is sent again. A closed kept-alive connection
+# (RemoteProtocolError) may have been closed after the server acted on the request.
+NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 # One public method's work: a single endpoint call, or a generator that yields the calls
 # it needs one after another (each is sent back its result) and returns the method's result.
@@ -66,6 +77,47 @@ def _retry_after(response: httpx.Response) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+def _checked_url(url: str) -> str:
+    """``url`` without its trailing slash, refused unless it is an absolute http(s) URL with a
+    host and nothing after the path (httpx would fail later, per request, with its own
+    error)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except (ValueError, TypeError, AttributeError):
+        raise CryptdConfigurationError("url is not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CryptdConfigurationError(
+            f"url must start with http:// or https:// and name a host, e.g."
+            f" https://cryptd.example:8443 (got {url!r})"
+            if "@" not in url
+            else "url must be http(s)://host[:port] (and hold no user or password)"
+        )
+    if parts.username is not None or parts.password is not None:
+        raise CryptdConfigurationError("url must not hold a user or password")
+    if parts.query or parts.fragment:
+        raise CryptdConfigurationError("url must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def _decoded_secret(secret_b64: str) -> bytes:
+    """The client secret as issued (standard base64) decoded; never echoed in an error."""
+    if not isinstance(secret_b64, str | bytes):
+        raise CryptdConfigurationError(
+            f"secret must be the base64 text the server issued, not {type(secret_b64).__name__}"
+        )
+    try:
+        secret = base64.b64decode(secret_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise CryptdConfigurationError(
+            "secret is not valid base64: give the client secret exactly as issued"
+            " (e.g. the 'secret' of client.json)"
+        ) from None
+    if not secret:
+        raise CryptdConfigurationError("secret is empty")
+    return secret
 
 
 def _error_from(response: httpx.Response) -> CryptdAPIError:
@@ -146,14 +198,16 @@ class BaseClient:
         unsigned over an ``https://`` connection presenting ``cert_file``, which is then
         required. ``retries`` bounds the retries of one call on 429 / 503 / connection
         failure; ``max_total_wait`` (seconds) bounds the time spent waiting between them;
-        batches are sent ``batch_size`` items at a time."""
-        self.url = url.rstrip("/")
+        batches are sent ``batch_size`` items at a time. Key management that changes state
+        is never retried after the server may have seen it. Raises
+        :class:`CryptdConfigurationError` for a URL or secret that cannot work."""
+        self.url = _checked_url(url)
         self.client_id = client_id
         self._secret: bytes | None = None
         if secret_b64 is not None:
-            self._secret = base64.b64decode(secret_b64, validate=True)
+            self._secret = _decoded_secret(secret_b64)
         elif cert_file is None or not self.url.startswith("https://"):
-            raise ValueError(
+            raise CryptdConfigurationError(
                 "a client without a secret is authenticated by its TLS client certificate:"
                 " it needs an https:// URL and cert_file"
             )
@@ -186,7 +240,15 @@ class BaseClient:
         ``"authentication": "certificate"`` and ``cert_file`` instead of a secret. ``url=``
         overrides the file's URL."""
         path = Path(path)
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CryptdConfigurationError(f"{path}: not a JSON credential file") from None
+        if not isinstance(data, dict):
+            raise CryptdConfigurationError(f"{path}: not a JSON object")
+        missing = [name for name in ("url", "client_id") if not data.get(name)]
+        if missing and not (missing == ["url"] and options.get("url")):
+            raise CryptdConfigurationError(f"{path}: no {' or '.join(missing)}")
         for name in ("ca_file", "cert_file", "key_file"):
             if data.get(name) is not None and name not in options:
                 options[name] = path.parent / data[name]
@@ -194,15 +256,24 @@ class BaseClient:
         authentication = data.get("authentication", "signature")
         if authentication == "certificate":
             if data.get("secret") is not None:
-                raise ValueError(f"{path}: a certificate-only credential has no secret")
+                raise CryptdConfigurationError(
+                    f"{path}: a certificate-only credential has no secret"
+                )
             secret = None
         elif authentication == "signature":
             if not data.get("secret"):
-                raise ValueError(f'{path}: no secret (or "authentication": "certificate")')
+                raise CryptdConfigurationError(
+                    f'{path}: no secret (or "authentication": "certificate")'
+                )
             secret = data["secret"]
         else:
-            raise ValueError(f"{path}: authentication is 'signature' or 'certificate'")
-        return cls(url, data["client_id"], secret, **options)
+            raise CryptdConfigurationError(
+                f"{path}: authentication is 'signature' or 'certificate'"
+            )
+        try:
+            return cls(url, data["client_id"], secret, **options)
+        except CryptdConfigurationError as exc:
+            raise CryptdConfigurationError(f"{path}: {exc}") from None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, client_id={self.client_id!r})"
@@ -250,18 +321,23 @@ class BaseClient:
         raise _error_from(response)
 
     def _exchange(self, call: _Call[T]) -> Generator[Action, Outcome, T]:
-        """One endpoint call with its retries on 429 / 503 / a connection failure."""
+        """One endpoint call with its retries on 429 / 503 / a connection failure; each
+        attempt is signed afresh (new created time and nonce). A call that changes state is
+        retried only when it never left this process: a 429 or 503 could come from a proxy
+        or a server that acted on it, and the API has no idempotency key to make a second
+        copy harmless."""
         waited = 0.0
         attempt = 0
         while True:
             outcome = yield self._request(call)
             if isinstance(outcome, httpx.Response):
-                retried = outcome.status_code in _RETRY_STATUSES
+                retried = outcome.status_code in _RETRY_STATUSES and call.idempotent
                 delay = self._delay(attempt, waited, outcome) if retried else None
                 if delay is None:
                     return self._result(call, outcome)
             else:
-                delay = self._delay(attempt, waited, None)
+                may_retry = call.idempotent or isinstance(outcome, NEVER_SENT)
+                delay = self._delay(attempt, waited, None) if may_retry else None
                 if delay is None:
                     raise CryptdConnectionError(f"{self.url}: {outcome}") from outcome
             yield delay

@@ -51,7 +51,8 @@ def _wrapped(public_pem: str, material: Binary) -> str:
 def _key_call(
     method: str, key: str, suffix: str = "", body: Mapping[str, Any] | None = None
 ) -> _Call[KeyMetadata]:
-    return _Call(method, _key_path("keys", key) + suffix, body, KeyMetadata.from_json)
+    path = _key_path("keys", key) + suffix
+    return _Call(method, path, body, KeyMetadata.from_json, idempotent=method == "GET")
 
 
 def _wrapping_key() -> _Call[str]:
@@ -128,7 +129,7 @@ class KeyEndpoints(BaseClient):
         """Delete a key that allows deletion (admin). None: deleted (204). With a waiting
         period on the server (202): the key's metadata, ``state`` ``pending_deletion`` and its
         ``deletion_date``; :meth:`cancel_deletion` undoes it until then."""
-        return _Call("DELETE", _key_path("keys", key), None, _deleted)
+        return _Call("DELETE", _key_path("keys", key), None, _deleted, idempotent=False)
 
     @operation
     def cancel_deletion(self, key: str) -> _Call[KeyMetadata]:

@@ -29,6 +29,9 @@ class _Call(Generic[T]):
     payload: Mapping[str, Any] | None
     parse: Callable[[Any], T]
     signed: bool = True
+    # False for key management that changes state (create, rotate, PATCH, delete, import,
+    # restore...): the API has no idempotency key, so such a call is never sent twice.
+    idempotent: bool = True
 
 
 Binary = bytes | bytearray | memoryview

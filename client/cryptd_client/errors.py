@@ -69,6 +69,12 @@ class CryptdConnectionError(Exception):
     """The service could not be reached (after the retries)."""
 
 
+class CryptdConfigurationError(ValueError):
+    """The client's own settings are unusable (a URL without http:// or https://, a secret
+    that is not base64, a credential file that is not one): raised when the client is made,
+    before any request. A ValueError, so code that caught the lower error still catches it."""
+
+
 ERRORS: Final[Mapping[str, tuple[type[CryptdAPIError], int]]] = {
     "invalid_request": (InvalidRequestError, 400),
     "decryption_failed": (DecryptionFailedError, 400),

@@ -1,11 +1,18 @@
 // cryptd from Go with net/http: sign (RFC 9421 hmac-sha256 and RFC 9530 Content-Digest),
-// encrypt, decrypt, sign and verify. It first checks itself against the known-answer vector
-// of docs/AUTH.md. Standard library only.
+// encrypt, decrypt, sign and verify, retrying on 429 / 503 as the server's Retry-After says.
+// It first checks itself against the known-answer vector of docs/AUTH.md. Standard library
+// only.
 //
-//	CRYPTD_URL=http://127.0.0.1:8080 CRYPTD_CLIENT_ID=dev CRYPTD_SECRET=<base64> go run .
+//	CRYPTD_CREDENTIAL=.cryptd-dev/client.json go run .
+//	CRYPTD_URL=https://cryptd.example:8443 CRYPTD_CLIENT_ID=app CRYPTD_SECRET=<base64> \
+//	  CRYPTD_CA_FILE=ca.crt go run .
 //
-// Optional: CRYPTD_KEY (an encryption key, default aes256-gcm), CRYPTD_SIGNING_KEY (default
-// ecdsa-p256).
+// The credential file is client.json as `cryptd serve --dev` writes it ({url, client_id,
+// secret, ca_file?}; a relative ca_file is taken from the file's directory); CRYPTD_URL,
+// CRYPTD_CLIENT_ID, CRYPTD_SECRET and CRYPTD_CA_FILE override its fields. CRYPTD_CA_FILE is
+// the PEM CA that issued the server's certificate (https:// with a private CA). Optional:
+// CRYPTD_KEY (an encryption key, default aes256-gcm), CRYPTD_SIGNING_KEY (default
+// ecdsa-p256). See README.md beside this file.
 package main
 
 import (
@@ -13,6 +20,8 @@ import (
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
@@ -21,6 +30,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -66,6 +76,18 @@ type Client struct {
 	HTTP    *http.Client
 }
 
+// Retries of one call on 429 / 503 (rate limit, overload, a replay store's restart window):
+// each retry is signed afresh (new created time and nonce); the wait is the server's
+// Retry-After, refused above maxDelay, and all waits of one call stay within maxWait. Only
+// the crypto operations of this example go through Call; never retry key management that
+// changes state (create, rotate, PATCH, delete, import, restore): the API has no idempotency
+// key.
+const (
+	maxAttempts = 4
+	maxDelay    = 10 * time.Second
+	maxWait     = 30 * time.Second
+)
+
 // Call sends a signed JSON request and decodes the JSON answer into out.
 func (c Client) Call(method, target string, request, out any) error {
 	body := []byte{}
@@ -79,13 +101,36 @@ func (c Client) Call(method, target string, request, out any) error {
 	if err != nil {
 		return err
 	}
+	var waited time.Duration
+	for attempt := 1; ; attempt++ {
+		status, retryAfter, answer, err := c.send(method, u, body)
+		if err != nil {
+			return err
+		}
+		if status/100 == 2 {
+			return json.Unmarshal(answer, out)
+		}
+		if (status == 429 || status == 503) && attempt < maxAttempts &&
+			retryAfter <= maxDelay && waited+retryAfter <= maxWait {
+			fmt.Fprintf(os.Stderr, "%s %s answered %d: retrying in %s\n", method, target, status, retryAfter)
+			time.Sleep(retryAfter)
+			waited += retryAfter
+			continue
+		}
+		return fmt.Errorf("%s %s: %d %s", method, target, status, answer)
+	}
+}
+
+// send makes one signed attempt: the status, the Retry-After delay (1 s when absent or not
+// a number of seconds) and the body.
+func (c Client) send(method string, u *url.URL, body []byte) (int, time.Duration, []byte, error) {
 	nonce := make([]byte, 16)
 	if _, err := rand.Read(nonce); err != nil {
-		return err
+		return 0, 0, nil, err
 	}
 	req, err := http.NewRequest(method, u.String(), bytes.NewReader(body))
 	if err != nil {
-		return err
+		return 0, 0, nil, err
 	}
 	headers := c.Signer.Headers(method, u.EscapedPath(), u.RawQuery, body, time.Now().Unix(), hex.EncodeToString(nonce))
 	for name, value := range headers {
@@ -93,17 +138,65 @@ func (c Client) Call(method, target string, request, out any) error {
 	}
 	resp, err := c.HTTP.Do(req)
 	if err != nil {
-		return err
+		return 0, 0, nil, err
 	}
 	defer resp.Body.Close()
 	answer, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return err
+		return 0, 0, nil, err
 	}
-	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("%s %s: %d %s", method, target, resp.StatusCode, answer)
+	retryAfter := time.Second
+	if seconds, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && seconds >= 0 {
+		retryAfter = time.Duration(seconds) * time.Second
 	}
-	return json.Unmarshal(answer, out)
+	return resp.StatusCode, retryAfter, answer, nil
+}
+
+// credential is client.json as `cryptd serve --dev` writes it.
+type credential struct {
+	URL      string `json:"url"`
+	ClientID string `json:"client_id"`
+	Secret   string `json:"secret"`
+	CAFile   string `json:"ca_file"`
+}
+
+// loadCredential reads CRYPTD_CREDENTIAL (when set); the CRYPTD_* variables override it.
+func loadCredential() (credential, error) {
+	var cred credential
+	if path := os.Getenv("CRYPTD_CREDENTIAL"); path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return cred, err
+		}
+		if err := json.Unmarshal(data, &cred); err != nil {
+			return cred, fmt.Errorf("%s: %w", path, err)
+		}
+		if cred.CAFile != "" && !filepath.IsAbs(cred.CAFile) {
+			cred.CAFile = filepath.Join(filepath.Dir(path), cred.CAFile)
+		}
+	}
+	cred.URL = env("CRYPTD_URL", cred.URL)
+	cred.ClientID = env("CRYPTD_CLIENT_ID", cred.ClientID)
+	cred.Secret = env("CRYPTD_SECRET", cred.Secret)
+	cred.CAFile = env("CRYPTD_CA_FILE", cred.CAFile)
+	return cred, nil
+}
+
+// httpClient trusts caFile's certificates alone when given, else the system's.
+func httpClient(caFile string) (*http.Client, error) {
+	transport := http.DefaultTransport.(*http.Transport).Clone()
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, err
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s: no PEM certificate", caFile)
+		}
+		transport.TLSClientConfig = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	}
+	return &http.Client{Timeout: 10 * time.Second, Transport: transport}, nil
 }
 
 func selfTest() error {
@@ -124,13 +217,10 @@ func selfTest() error {
 	return nil
 }
 
+// env is the variable's value, or fallback when it is unset or empty.
 func env(name, fallback string) string {
 	if value := os.Getenv(name); value != "" {
 		return value
-	}
-	if fallback == "" {
-		fmt.Fprintf(os.Stderr, "set %s\n", name)
-		os.Exit(2)
 	}
 	return fallback
 }
@@ -139,14 +229,27 @@ func run() error {
 	if err := selfTest(); err != nil {
 		return err
 	}
-	secret, err := base64.StdEncoding.DecodeString(env("CRYPTD_SECRET", ""))
+	cred, err := loadCredential()
 	if err != nil {
-		return fmt.Errorf("CRYPTD_SECRET is not base64: %w", err)
+		return err
+	}
+	for name, value := range map[string]string{"CRYPTD_URL": cred.URL, "CRYPTD_CLIENT_ID": cred.ClientID, "CRYPTD_SECRET": cred.Secret} {
+		if value == "" {
+			return fmt.Errorf("set CRYPTD_CREDENTIAL (a client.json) or %s", name)
+		}
+	}
+	secret, err := base64.StdEncoding.DecodeString(cred.Secret)
+	if err != nil {
+		return fmt.Errorf("the secret is not base64: %w", err)
+	}
+	httpClient, err := httpClient(cred.CAFile)
+	if err != nil {
+		return err
 	}
 	client := Client{
-		BaseURL: env("CRYPTD_URL", ""),
-		Signer:  Signer{env("CRYPTD_CLIENT_ID", ""), secret},
-		HTTP:    &http.Client{Timeout: 10 * time.Second},
+		BaseURL: cred.URL,
+		Signer:  Signer{cred.ClientID, secret},
+		HTTP:    httpClient,
 	}
 	key := url.PathEscape(env("CRYPTD_KEY", "aes256-gcm"))
 	signingKey := url.PathEscape(env("CRYPTD_SIGNING_KEY", "ecdsa-p256"))

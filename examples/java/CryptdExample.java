@@ -1,21 +1,34 @@
 // cryptd from Java 17 with java.net.http on its defaults: sign (RFC 9421 hmac-sha256 and
-// RFC 9530 Content-Digest), encrypt, decrypt, sign and verify. It first checks itself against
-// the known-answer vector of docs/AUTH.md. JDK only, no build tool:
+// RFC 9530 Content-Digest), encrypt, decrypt, sign and verify, retrying on 429 / 503 as the
+// server's Retry-After says. It first checks itself against the known-answer vector of
+// docs/AUTH.md. JDK only, no build tool:
 //
-//   CRYPTD_URL=http://127.0.0.1:8080 CRYPTD_CLIENT_ID=dev CRYPTD_SECRET=<base64> \
-//     java CryptdExample.java
+//   CRYPTD_CREDENTIAL=.cryptd-dev/client.json java CryptdExample.java
+//   CRYPTD_URL=https://cryptd.example:8443 CRYPTD_CLIENT_ID=app CRYPTD_SECRET=<base64> \
+//     CRYPTD_CA_FILE=ca.crt java CryptdExample.java
 //
-// Optional: CRYPTD_KEY (an encryption key, default aes256-gcm), CRYPTD_SIGNING_KEY (default
-// ecdsa-p256). The JSON handling is deliberately minimal (the fields it reads are base64 and
-// tokens); use your JSON library in real code.
+// The credential file is client.json as `cryptd serve --dev` writes it ({url, client_id,
+// secret, ca_file?}; a relative ca_file is taken from the file's directory); CRYPTD_URL,
+// CRYPTD_CLIENT_ID, CRYPTD_SECRET and CRYPTD_CA_FILE override its fields. CRYPTD_CA_FILE is
+// the PEM CA that issued the server's certificate (https:// with a private CA). Optional:
+// CRYPTD_KEY (an encryption key, default aes256-gcm), CRYPTD_SIGNING_KEY (default
+// ecdsa-p256). The JSON handling is deliberately minimal (the fields it reads are base64,
+// tokens and paths); use your JSON library in real code. See README.md beside this file.
 
+import java.io.InputStream;
 import java.net.URI;
 import java.net.http.HttpClient;
 import java.net.http.HttpRequest;
 import java.net.http.HttpResponse;
 import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.security.KeyStore;
 import java.security.MessageDigest;
 import java.security.SecureRandom;
+import java.security.cert.Certificate;
+import java.security.cert.CertificateFactory;
+import java.time.Duration;
 import java.util.Base64;
 import java.util.HexFormat;
 import java.util.LinkedHashMap;
@@ -24,6 +37,8 @@ import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 import javax.crypto.Mac;
 import javax.crypto.spec.SecretKeySpec;
+import javax.net.ssl.SSLContext;
+import javax.net.ssl.TrustManagerFactory;
 
 public final class CryptdExample {
     static final String COVERED =
@@ -58,35 +73,94 @@ public final class CryptdExample {
         }
     }
 
-    final HttpClient http = HttpClient.newHttpClient(); // defaults: HTTP/2 preferred
+    // Retries of one call on 429 / 503 (rate limit, overload, a replay store's restart
+    // window): each retry is signed afresh (new created time and nonce); the wait is the
+    // server's Retry-After, refused above MAX_DELAY, and all waits of one call stay within
+    // MAX_WAIT. Only the crypto operations of this example go through post(); never retry key
+    // management that changes state (create, rotate, PATCH, delete, import, restore): the API
+    // has no idempotency key.
+    static final int MAX_ATTEMPTS = 4;
+    static final Duration MAX_DELAY = Duration.ofSeconds(10);
+    static final Duration MAX_WAIT = Duration.ofSeconds(30);
+
+    final HttpClient http; // defaults otherwise: HTTP/2 preferred
     final String baseUrl;
     final Signer signer;
     final SecureRandom random = new SecureRandom();
 
-    CryptdExample(String baseUrl, Signer signer) {
+    CryptdExample(String baseUrl, Signer signer, SSLContext tls) {
         this.baseUrl = baseUrl;
         this.signer = signer;
+        HttpClient.Builder builder = HttpClient.newBuilder();
+        if (tls != null) {
+            builder.sslContext(tls);
+        }
+        this.http = builder.build();
+    }
+
+    /** A TLS context trusting the PEM certificates of caFile alone. */
+    static SSLContext trusting(Path caFile) throws Exception {
+        KeyStore roots = KeyStore.getInstance(KeyStore.getDefaultType());
+        roots.load(null, null);
+        try (InputStream in = Files.newInputStream(caFile)) {
+            int i = 0;
+            for (Certificate ca : CertificateFactory.getInstance("X.509").generateCertificates(in)) {
+                roots.setCertificateEntry("ca-" + i++, ca);
+            }
+            if (i == 0) {
+                throw new IllegalArgumentException(caFile + ": no PEM certificate");
+            }
+        }
+        TrustManagerFactory trust =
+            TrustManagerFactory.getInstance(TrustManagerFactory.getDefaultAlgorithm());
+        trust.init(roots);
+        SSLContext context = SSLContext.getInstance("TLS");
+        context.init(null, trust.getTrustManagers(), null);
+        return context;
     }
 
     /** A signed POST of a JSON body; returns the JSON answer, throws on a non-2xx status. */
     String post(String target, String json) throws Exception {
         byte[] body = json.getBytes(StandardCharsets.UTF_8);
         URI uri = URI.create(baseUrl + target);
+        Duration waited = Duration.ZERO;
+        for (int attempt = 1; ; attempt++) {
+            HttpResponse<String> response = send(uri, body);
+            int status = response.statusCode();
+            if (status / 100 == 2) {
+                return response.body();
+            }
+            Duration delay = Duration.ofSeconds(1);
+            String retryAfter = response.headers().firstValue("Retry-After").orElse("");
+            if (retryAfter.matches("[0-9]{1,9}")) {
+                delay = Duration.ofSeconds(Long.parseLong(retryAfter));
+            }
+            if ((status == 429 || status == 503) && attempt < MAX_ATTEMPTS
+                    && delay.compareTo(MAX_DELAY) <= 0
+                    && waited.plus(delay).compareTo(MAX_WAIT) <= 0) {
+                System.err.println("POST " + target + " answered " + status
+                    + ": retrying in " + delay.toSeconds() + " s");
+                Thread.sleep(delay.toMillis());
+                waited = waited.plus(delay);
+                continue;
+            }
+            throw new IllegalStateException(
+                "POST " + target + ": " + status + " " + response.body());
+        }
+    }
+
+    /** One signed attempt. */
+    HttpResponse<String> send(URI uri, byte[] body) throws Exception {
         byte[] nonce = new byte[16];
         random.nextBytes(nonce);
         String query = uri.getRawQuery() == null ? "" : uri.getRawQuery();
         HttpRequest.Builder request = HttpRequest.newBuilder(uri)
+            .timeout(Duration.ofSeconds(10))
             .POST(HttpRequest.BodyPublishers.ofByteArray(body));
         signer.headers("POST", uri.getRawPath(), query, body,
                 System.currentTimeMillis() / 1000, HexFormat.of().formatHex(nonce))
             .forEach(request::header);
-        HttpResponse<String> response =
-            http.send(request.build(), HttpResponse.BodyHandlers.ofString());
-        if (response.statusCode() / 100 != 2) {
-            throw new IllegalStateException(
-                "POST " + target + ": " + response.statusCode() + " " + response.body());
-        }
-        return response.body();
+        return http.send(request.build(), HttpResponse.BodyHandlers.ofString());
     }
 
     static String field(String json, String name) {
@@ -120,20 +194,50 @@ public final class CryptdExample {
 
     static String env(String name, String fallback) {
         String value = System.getenv(name);
-        if (value != null && !value.isEmpty()) {
+        return value != null && !value.isEmpty() ? value : fallback;
+    }
+
+    /** A field of the credential file (null when absent), unless the variable overrides it. */
+    static String setting(String variable, String credential, String name) {
+        String value = env(variable, null);
+        if (value != null || credential == null) {
             return value;
         }
-        if (fallback == null) {
-            throw new IllegalArgumentException("set " + name);
+        Matcher m = Pattern.compile("\"" + name + "\"\\s*:\\s*\"([^\"]*)\"").matcher(credential);
+        return m.find() ? m.group(1) : null;
+    }
+
+    static String required(String value, String variable) {
+        if (value == null || value.isEmpty()) {
+            throw new IllegalArgumentException(
+                "set CRYPTD_CREDENTIAL (a client.json) or " + variable);
         }
-        return fallback;
+        return value;
     }
 
     public static void main(String[] args) throws Exception {
         selfTest();
-        byte[] secret = Base64.getDecoder().decode(env("CRYPTD_SECRET", null));
-        CryptdExample cryptd = new CryptdExample(
-            env("CRYPTD_URL", null), new Signer(env("CRYPTD_CLIENT_ID", null), secret));
+        String credentialFile = env("CRYPTD_CREDENTIAL", null);
+        String credential = credentialFile == null ? null
+            : Files.readString(Path.of(credentialFile), StandardCharsets.UTF_8);
+        String url = required(setting("CRYPTD_URL", credential, "url"), "CRYPTD_URL");
+        String clientId =
+            required(setting("CRYPTD_CLIENT_ID", credential, "client_id"), "CRYPTD_CLIENT_ID");
+        byte[] secret = Base64.getDecoder().decode(
+            required(setting("CRYPTD_SECRET", credential, "secret"), "CRYPTD_SECRET"));
+        SSLContext tls = null;
+        String caFile = env("CRYPTD_CA_FILE", null);
+        if (caFile == null && credential != null) {
+            String named = setting("CRYPTD_CA_FILE", credential, "ca_file");
+            if (named != null) {
+                caFile = Path.of(credentialFile).toAbsolutePath().getParent().resolve(named)
+                    .toString(); // an absolute ca_file stays as it is
+            }
+        }
+        if (caFile != null) {
+            tls = trusting(Path.of(caFile));
+        }
+        CryptdExample cryptd = new CryptdExample(url, new Signer(clientId, secret), tls);
         String key = env("CRYPTD_KEY", "aes256-gcm");
         String signingKey = env("CRYPTD_SIGNING_KEY", "ecdsa-p256");
         String message = "hello from Java and java.net.http";

@@ -29,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check(args)
     except ValueError as exc:
         parser.error(str(exc))
+    except OSError as exc:  # an optional dependency the options need is missing
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     report = rates.run(
         seconds=args.seconds,
         sizes=rates.DEFAULT_SIZES if args.sizes is None else args.sizes,

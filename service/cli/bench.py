@@ -13,6 +13,7 @@ service never imports benchmark code.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.machinery
 import os
 import subprocess
@@ -64,12 +65,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="print each figure on stderr")
 
 
+def require_charts(what: str = "--chart") -> None:
+    """Refuse a chart before any work when matplotlib cannot be imported (missing, or broken),
+    rather than fail after the whole benchmark. What the chart code imports, so the check
+    fails exactly when drawing would."""
+    try:
+        importlib.import_module("matplotlib")
+        importlib.import_module("matplotlib.figure")
+    except Exception as exc:  # any import failure: ImportError, or a broken install's own
+        raise OSError(
+            f"{what} needs matplotlib, which cannot be imported here"
+            f" ({type(exc).__name__}): pip install 'cryptd[charts]'"
+        ) from None
+
+
 def check(args: argparse.Namespace) -> None:
-    """Refuse what argparse cannot, before anything is measured."""
+    """Refuse what argparse cannot, and a chart without matplotlib, before anything is
+    measured."""
     if args.seconds <= 0:
         raise ValueError("--seconds must be positive")
     if args.rounds < 1 or args.threads < 1:
         raise ValueError("--rounds and --threads must be at least 1")
+    if args.chart is not None:
+        require_charts()
 
 
 def _passed_on(args: argparse.Namespace) -> list[str]:

@@ -48,22 +48,67 @@ _WITH_INPUT = frozenset(
 )
 # Operations that name no key.
 _KEYLESS = frozenset({"keys", "random", "wrapping-key"})
+# The options each operation takes (by argparse dest), beyond --credential and --url: any
+# other one given is refused rather than silently ignored.
+_INPUT = ("data", "data_file", "base64")
+_SIGNING = ("digest", "algorithm", "hash_algorithm", "signer_id", "encoding", "key_version")
+_NEW_KEY = ("type", "deletion_allowed", "derived", "convergent")
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "encrypt": (*_INPUT, "aad", "context", "key_version"),
+    "decrypt": (*_INPUT, "aad", "context", "key_version", "format", "raw"),
+    "sign": (*_INPUT, *_SIGNING),
+    "verify": (*_INPUT, *_SIGNING, "signature", "mac", "context"),
+    "rewrap": (*_INPUT, "aad", "context", "to_key"),
+    "datakey": ("bits", "no_plaintext", "aad", "context"),
+    "hmac": (*_INPUT, "key_version", "context"),
+    "random": ("bytes",),
+    "create": _NEW_KEY,
+    "update": (
+        "deletion_allowed",
+        "state",
+        "min_decryption_version",
+        "min_encryption_version",
+        "auto_rotate_period",
+    ),
+    "import": (*_INPUT, *_NEW_KEY),
+    "import-version": _INPUT,
+    "restore": _INPUT,
+}
 _PEM = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
 
 
 def default_credential() -> Path:
+    """$CRYPTD_CREDENTIAL, else the development server's: $CRYPTD_DEV_DIR/client.json or
+    ./.cryptd-dev/client.json."""
+    if named := os.environ.get("CRYPTD_CREDENTIAL"):
+        return Path(named)
     return Path(os.environ.get("CRYPTD_DEV_DIR", ".cryptd-dev")) / "client.json"
+
+
+def _missing_credential(path: Path, given: bool) -> str:
+    """One line: where the credential was looked for and how to point elsewhere."""
+    where = f"{path} ({path.resolve()})" if not path.is_absolute() else str(path)
+    if given:
+        return f"no credential file at {where}"
+    return (
+        f"no credential file at {where}: pass --credential FILE or set CRYPTD_CREDENTIAL"
+        " (or CRYPTD_DEV_DIR); 'cryptd serve --dev' writes .cryptd-dev/client.json where it"
+        " starts"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "call",
+        usage="%(prog)s OPERATION [KEY] [options] (cryptd call -h lists them)",
         help="call a running cryptd (signed request) and print the JSON result",
         description="Input (plaintext, ciphertext token, message, key material to import, "
         "backup to restore) comes from --data, --data-file or stdin. Binary output is base64. "
         "'import' wraps the material here under the server's wrapping key: secret keys as hex "
         "digits or raw bytes, private keys as PKCS#8 (PEM or DER). 'verify' exits 1 when the "
-        "signature is not valid; API errors are printed to stderr as JSON with exit status 1.",
+        "signature is not valid; API errors are printed to stderr as JSON with exit status 1. "
+        "A 429 or 503 is retried after its Retry-After, signed afresh (up to 3 times, 30 s in "
+        "all); key management that changes state is never sent twice.",
     )
     parser.add_argument("op", choices=OPERATIONS + KEY_COMMANDS, help="operation")
     parser.add_argument("key", nargs="?", help="key name (all operations but 'keys', 'random')")
@@ -73,7 +118,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="credential JSON {url, client_id, secret} and, for TLS, ca_file, cert_file,"
         " key_file; a client authenticated by its certificate alone has"
         ' "authentication": "certificate" and cert_file instead of a secret'
-        " (default: $CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
+        " (default: $CRYPTD_CREDENTIAL, else $CRYPTD_DEV_DIR/client.json or"
+        " ./.cryptd-dev/client.json)",
     )
     parser.add_argument("--url", help="override the URL of the credential file")
     source = parser.add_mutually_exclusive_group()
@@ -96,11 +142,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--signer-id", help="sign/verify: SM2 signer ID")
     parser.add_argument("--encoding", help="sign/verify: der | raw (ECDSA, SM2)")
     parser.add_argument("--to-key", help="rewrap: re-encrypt under this key")
-    parser.add_argument("--bits", type=int, default=256, help="datakey: 128 or 256")
+    parser.add_argument("--bits", type=int, help="datakey: 128 or 256 (default: 256)")
     parser.add_argument(
         "--no-plaintext", action="store_true", help="datakey: return the wrapped key only"
     )
-    parser.add_argument("--bytes", type=int, default=32, help="random: how many (1 to 65536)")
+    parser.add_argument("--bytes", type=int, help="random: how many, 1 to 65536 (default: 32)")
     parser.add_argument("--type", help="create: key type, e.g. aes256-gcm")
     parser.add_argument(
         "--deletion-allowed",
@@ -128,7 +174,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--raw", action="store_true", help="decrypt: write the plaintext bytes, not JSON"
     )
-    parser.set_defaults(func=_call)
+    parser.set_defaults(func=_call, parser=parser)
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """Refuse, as a usage error, a key or an option the operation does not take."""
+    parser: argparse.ArgumentParser = args.parser
+    op: str = args.op
+    if op in _KEYLESS and args.key is not None:
+        parser.error(f"'{op}' takes no key name (got {args.key!r})")
+    allowed = set(OPTIONS.get(op, ()))
+    for action in parser._actions:
+        if not action.option_strings or action.dest in allowed:
+            continue
+        if action.dest in ("help", "credential", "url"):
+            continue
+        value = getattr(args, action.dest, None)
+        # Flags default to False, every other option to None: anything else was given.
+        unset = False if isinstance(action, argparse._StoreTrueAction) else None
+        if value is not unset:
+            takes = ", ".join(_option(parser, dest) for dest in OPTIONS.get(op, ())) or "none"
+            parser.error(f"'{op}' does not take {action.option_strings[-1]} (its options: {takes})")
+
+
+def _option(parser: argparse.ArgumentParser, dest: str) -> str:
+    return next(a.option_strings[-1] for a in parser._actions if a.dest == dest)
 
 
 def _flag(text: str) -> bool:
@@ -251,18 +321,20 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
         token = data.decode("ascii").strip()
         rewrapped = client.rewrap(key, token, aad=aad, to_key=args.to_key, context=context)
         return {"ciphertext": rewrapped.ciphertext, "key_version": rewrapped.key_version}, 0
+    bits = 256 if args.bits is None else args.bits
     if op == "datakey" and args.no_plaintext:
-        wrapped = client.datakey_wrapped(key, bits=args.bits, aad=aad, context=context)
+        wrapped = client.datakey_wrapped(key, bits=bits, aad=aad, context=context)
         return {"ciphertext": wrapped.ciphertext, "key_version": wrapped.key_version}, 0
     if op == "datakey":
-        dk = client.datakey(key, bits=args.bits, aad=aad, context=context)
+        dk = client.datakey(key, bits=bits, aad=aad, context=context)
         result = {"plaintext": _b64(dk.plaintext), "ciphertext": dk.ciphertext}
         return {**result, "key_version": dk.key_version}, 0
     if op == "hmac":
         mac = client.hmac(key, data, key_version=args.key_version, context=context)
         return {"mac": mac.mac, "key_version": mac.key_version}, 0
     if op == "random":
-        return {"random": _b64(client.random(args.bytes))}, 0
+        size = 32 if args.bytes is None else args.bytes
+        return {"random": _b64(client.random(size))}, 0
     if op == "keys":
         return {"keys": [_metadata(m) for m in client.list_keys()]}, 0
     if op == "key":
@@ -297,9 +369,12 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def _call(args: argparse.Namespace) -> int:
+    _refuse_unused(args)
     if args.op not in _KEYLESS and not args.key:
         raise ValueError(f"'{args.op}' needs a key name")
     credential = Path(args.credential) if args.credential else default_credential()
+    if not credential.is_file():
+        raise ValueError(_missing_credential(credential, given=args.credential is not None))
     try:
         # TLS files named in the credential (https://) are taken relative to its directory; a
         # certificate-only credential has cert_file and no secret (requests go unsigned).
