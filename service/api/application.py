@@ -46,6 +46,8 @@ from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
+from service.seal import open_seal
+from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
 
@@ -108,7 +110,10 @@ def create_app(
     settings = settings or Settings()
     logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
     metrics = Metrics(enabled=settings.metrics, max_keys=settings.metrics_max_keys)
-    master_key = settings.load_master_key()
+    seal = open_seal(settings)
+    master_key = seal.unseal()
+    if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
+        log.warning(STATIC_SEAL_WARNING)
     manager = KeyManager(
         open_store(settings.keystore_url_value(), settings.keyring_file),
         MasterKey(master_key),
@@ -190,7 +195,16 @@ def create_app(
         # Usage is informational: a usage store that cannot be written leaves the pod ready.
         return True, usage.health()
 
+    async def seal_ready() -> tuple[bool, dict[str, Any]]:
+        # The master key is in memory: a seal whose token went away degrades, never unreadies.
+        status = await run_in_threadpool(seal.status)
+        detail: dict[str, Any] = {"kind": status.kind, "available": status.available}
+        if not status.available:
+            detail.update(degraded=True, reason=status.reason)
+        return True, detail
+
     readiness: list[tuple[str, ReadinessCheck]] = [
+        ("seal", seal_ready),
         ("pool", pool_ready),
         ("replay_store", replay_ready),
         ("audit", audit_ready),
@@ -257,6 +271,7 @@ def create_app(
                 await executor.close()
             await auth.aclose()
             await run_in_threadpool(manager.store.close)
+            await run_in_threadpool(seal.close)
             manager.board.close()
             metrics.close()
             # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
@@ -316,6 +331,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.services = services
+    app.state.seal = seal
     errors.install(app)
     app.include_router(health.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key

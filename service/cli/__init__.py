@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "keys",
     "keystore",
     "master_key",
+    "operator",
     "clients",
     "call",
     "bench",
