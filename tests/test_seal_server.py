@@ -164,7 +164,7 @@ def test_two_workers_serve_from_the_token_and_survive_its_loss(
 
 
 def _children(pid: int) -> list[int]:
-    found = []
+    found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children = (task / "children").read_text().split()
         found.extend(int(child) for child in children)
