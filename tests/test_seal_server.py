@@ -123,6 +123,15 @@ def test_two_workers_serve_from_the_token_and_survive_its_loss(
             ciphertexts[index] = answer.json()["ciphertext"]
             seal = connection.get("/readyz").json()["checks"]["seal"]
             assert seal == {"ok": True, "kind": "pkcs11", "available": True}
+            status = connection.get("/v1/sys/seal-status")
+            assert status.status_code == 200
+            assert status.json() == {
+                "sealed": False,
+                "threshold": 1,
+                "progress": 0,
+                "type": "pkcs11",
+                "available": True,
+            }
 
         # No master key in any process's environment, nor in the clear in any file here.
         pids = [server.process.pid, *_children(server.process.pid)]
@@ -145,6 +154,10 @@ def test_two_workers_serve_from_the_token_and_survive_its_loss(
             seal = ready.json()["checks"]["seal"]
             assert seal["available"] is False
             assert "token unavailable" in seal["reason"]
+            status = connection.get("/v1/sys/seal-status").json()
+            assert status["sealed"] is False
+            assert status["available"] is False
+            assert "token unavailable" in status["reason"]
             # Crypto keeps serving from the master key in memory.
             decrypted = server.request(
                 "POST",
@@ -212,3 +225,26 @@ def test_static_seal_warns_in_production(tmp_path: Path) -> None:
     assert len(warnings) == 1
     assert '"level":"warning"' in warnings[0]
     assert key not in server.log()
+
+
+def test_seal_status_is_the_one_unsigned_v1_route(server: Server) -> None:
+    status = httpx.get(server.url + "/v1/sys/seal-status", timeout=10)
+    assert status.status_code == 200
+    assert status.json() == {
+        "sealed": False,
+        "threshold": 1,
+        "progress": 0,
+        "type": "static",
+        "available": True,
+    }
+    assert "x-request-id" in status.headers
+    # Its neighbours stay signed, and so does any other method on it.
+    for method, path in (
+        ("GET", "/v1/keys"),
+        ("GET", "/v1/sys/seal-status/"),
+        ("GET", "/v1/sys/other"),
+        ("POST", "/v1/sys/seal-status"),
+    ):
+        answer = server.request(method, path, sign=False)
+        assert answer.status_code == 401, (method, path, answer.status_code)
+        assert answer.json()["error"]["code"] == "unauthenticated"

@@ -24,6 +24,7 @@ from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto, health, keys, random, transfer
 from service.api.routes import metrics as metrics_route
+from service.api.routes import seal as seal_route
 from service.api.spec import allowed_methods
 from service.api.timing import RequestTimer
 from service.asgi import ASGIApp, Receive, Scope, Send
@@ -334,6 +335,7 @@ def create_app(
     app.state.seal = seal
     errors.install(app)
     app.include_router(health.router)
+    app.include_router(seal_route.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)

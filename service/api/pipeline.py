@@ -57,6 +57,13 @@ for the error model. ``scope["state"]["client"]`` is the authenticated client.""
 
 _CONTENT_TYPE = (b"content-type", b"application/json")
 
+# The one /v1/ route answered unsigned: an operator asks it before any client can sign.
+_UNSIGNED_GET = "/v1/sys/seal-status"
+
+
+def _unsigned(scope: Scope) -> bool:
+    return scope["method"] in ("GET", "HEAD") and route_path(scope) == _UNSIGNED_GET
+
 
 class RequestPipeline:
     def __init__(
@@ -171,7 +178,9 @@ class RequestPipeline:
             if body is None:  # the client went away
                 return
             authenticator = self.authenticator
-            if authenticator is not None and (target is not None or is_protected(scope)):
+            if authenticator is not None and (
+                target is not None or (is_protected(scope) and not _unsigned(scope))
+            ):
                 try:
                     await authenticator.authenticate(scope, headers, body)
                 except REFUSED as exc:
