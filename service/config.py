@@ -62,7 +62,7 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
 DEFAULT_DELETION_WAITING_PERIOD = 7 * 86400  # AWS KMS's shortest waiting period
 
 
-SealKind = Literal["static", "pkcs11"]
+SealKind = Literal["static", "pkcs11", "shamir"]
 
 
 class SealSettings(BaseSettings):
@@ -72,7 +72,8 @@ class SealSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CRYPTD_", extra="ignore")
 
     env: Literal["production", "development"] = "production"
-    # static: the key itself in CRYPTD_MASTER_KEY(_FILE); pkcs11: only wrapped, by a token key.
+    # static: the key itself in CRYPTD_MASTER_KEY(_FILE); pkcs11: only wrapped, by a token key;
+    # shamir: only as shares held by operators (the server starts sealed).
     seal: SealKind = "static"
     master_key: SecretStr | None = None
     master_key_file: Path | None = None
@@ -81,7 +82,8 @@ class SealSettings(BaseSettings):
     pkcs11_token_label: str | None = None
     pkcs11_key_label: str = "cryptd-seal"
     pkcs11_pin_file: Path | None = None
-    # The wrapped master key (not secret without the token): beside the keyring file unless set.
+    # The sealed master key (pkcs11: not secret without the token) or the Shamir split's public
+    # facts (shamir): beside the keyring file unless set.
     sealed_master_key_file: Path | None = None
 
     def sealed_master_key_path(self) -> Path:
@@ -96,6 +98,8 @@ class SealSettings(BaseSettings):
                 f"CRYPTD_SEAL={self.seal} keeps the master key sealed: unset CRYPTD_MASTER_KEY "
                 "and CRYPTD_MASTER_KEY_FILE (the key must not be in the environment or on disk)"
             )
+        if self.seal == "shamir":
+            return self
         missing = [
             name
             for name, value in (

@@ -131,6 +131,7 @@ def test_two_workers_serve_from_the_token_and_survive_its_loss(
                 "progress": 0,
                 "type": "pkcs11",
                 "available": True,
+                "refused": 0,
             }
 
         # No master key in any process's environment, nor in the clear in any file here.
@@ -236,6 +237,7 @@ def test_seal_status_is_the_one_unsigned_v1_route(server: Server) -> None:
         "progress": 0,
         "type": "static",
         "available": True,
+        "refused": 0,
     }
     assert "x-request-id" in status.headers
     # Its neighbours stay signed, and so does any other method on it.

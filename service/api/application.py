@@ -47,7 +47,7 @@ from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
-from service.seal import open_seal
+from service.seal import Seal, open_seal
 from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
@@ -104,14 +104,18 @@ async def _every(interval: float, what: str, action: Callable[[], Awaitable[None
 
 
 def create_app(
-    settings: Settings | None = None, *, clock: Callable[[], float] = time.time
+    settings: Settings | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+    seal: Seal | None = None,
 ) -> FastAPI:
     """The application. ``clock`` is what request signatures' ``created`` is checked against
-    (tests inject a fixed one to replay a known-answer vector)."""
+    (tests inject a fixed one to replay a known-answer vector); ``seal``: one already unsealed
+    (service/api/sealed.py), else the one the settings name, unsealed here."""
     settings = settings or Settings()
     logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
     metrics = Metrics(enabled=settings.metrics, max_keys=settings.metrics_max_keys)
-    seal = open_seal(settings)
+    seal = seal or open_seal(settings)
     master_key = seal.unseal()
     if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
         log.warning(STATIC_SEAL_WARNING)
@@ -369,7 +373,7 @@ class Service(FastAPI):
         await Starlette.__call__(self, scope, receive, send)
 
 
-def app_factory() -> FastAPI:
+def app_factory() -> ASGIApp:
     """Entry point for ``uvicorn --factory`` (each server worker process builds its own app).
     Workers a process manager spawned with no shared store (``uvicorn --workers N``) get the
     host store and board of their siblings: each one's memory would accept a replay once per
@@ -380,4 +384,16 @@ def app_factory() -> FastAPI:
         settings = settings.model_copy(update={"replay_dir": shared})
     if shared is not None and settings.runtime_dir is None:
         settings = settings.model_copy(update={"runtime_dir": shared})
+    if settings.seal == "shamir":
+        # Starts sealed: the full application is built once operators' shares unseal it.
+        from service.api.sealed import SealedService
+        from service.seal.shamir import ShamirSeal
+
+        configure_logging(settings.log_level, settings.access_log, "off")
+        final = settings
+        return SealedService(
+            settings,
+            ShamirSeal(settings.sealed_master_key_path()),
+            lambda seal: create_app(final, seal=seal),
+        )
     return create_app(settings)

@@ -193,6 +193,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/sys/seal-status", "seal_status", "Seal status", None,
           {200: r.SealStatus}, ANY, signed=False, tag="seal",
           description="Unsigned, like /readyz."),
+    Route("POST", "/v1/sys/unseal", "unseal",
+          "Submit one Shamir unseal share to this server worker (admin)", s.UnsealRequest,
+          {200: r.SealStatus}, (*SIGNED, *BODY, "forbidden", "sealed"), tag="seal",
+          description="A refused share (malformed, altered, of another split, repeated) is 400 "
+          "and leaves the progress as it was. On a server that holds its master key: the "
+          "status, nothing else."),
     Route("GET", "/metrics", "metrics", "Prometheus text exposition", None, {200: None}, ANY,
           signed=False, tag="health", media_type="text/plain"),
 )  # fmt: skip

@@ -1,10 +1,13 @@
-"""``cryptd operator init``: set up the seal that keeps the master key (CRYPTD_SEAL).
+"""``cryptd operator init|unseal``: set up the seal that keeps the master key (CRYPTD_SEAL),
+and unseal a server started sealed.
 
 - ``static``: a new random master key in the file ``CRYPTD_MASTER_KEY_FILE`` names (mode 0600).
 - ``pkcs11``: the token's AES-256 seal key (created when absent, never extractable) and the
   master key sealed under it in ``CRYPTD_SEALED_MASTER_KEY_FILE`` (default: beside the
   keyring file). ``--master-key-file`` seals an existing master key instead of a fresh one:
   a static deployment moves to the token without rewrapping any key version.
+- ``shamir``: ``--shares N --threshold K`` splits a new master key into N SLIP-39 shares
+  printed once (one per line, or ``--json``); only the split's public facts are written.
 
 Then ``cryptd keystore init`` creates the key store under that master key, as before.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import orjson
 
+from service.cli.call import default_credential
 from service.config import SealSettings, decode_master_key
 from service.fileio import atomic_write
 from service.keys.masterkey import MasterKey
@@ -36,6 +40,14 @@ def _existing_master_key(path: str | None) -> bytes | None:
 def init(args: argparse.Namespace) -> int:
     settings = SealSettings()
     existing = _existing_master_key(args.master_key_file)
+    if (args.shares is None) != (args.threshold is None):
+        raise SealError("--shares and --threshold go together")
+    if settings.seal == "shamir":
+        if args.shares is None:
+            raise SealError("CRYPTD_SEAL=shamir: give --shares N --threshold K")
+        return _init_shamir(settings, args, existing)
+    if args.shares is not None:
+        raise SealError("--shares and --threshold split the key for CRYPTD_SEAL=shamir only")
     if settings.seal == "pkcs11":
         from service.seal.pkcs11 import Pkcs11Seal
 
@@ -56,6 +68,24 @@ def init(args: argparse.Namespace) -> int:
         )
         return 0
     return _init_static(settings, existing)
+
+
+def _init_shamir(settings: SealSettings, args: argparse.Namespace, existing: bytes | None) -> int:
+    from service.seal.shamir import split
+
+    path = settings.sealed_master_key_path()
+    shares = split(path, args.shares, args.threshold, existing)
+    # Shown once, stored nowhere: each line goes to one operator.
+    if args.json:
+        _print({"shares": shares})
+    else:
+        sys.stdout.write("".join(share + "\n" for share in shares))
+    print(
+        f"cryptd: {args.shares} shares printed once; any {args.threshold} unseal the service. "
+        f"Split recorded in {path}.",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _init_static(settings: SealSettings, existing: bytes | None) -> int:
@@ -89,4 +119,47 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="seal this existing base64 master key instead of a new one (moving a static "
         "deployment to another seal; the key stores stay as they are)",
     )
+    p.add_argument("--shares", type=int, help="shamir: how many shares to make (at most 16)")
+    p.add_argument("--threshold", type=int, help="shamir: how many shares unseal")
+    p.add_argument("--json", action="store_true", help='shamir: print {"shares": [...]}')
     p.set_defaults(func=init)
+
+    p = actions.add_parser(
+        "unseal",
+        help="submit one Shamir share to every worker of a sealed server",
+        description="The share is read from the argument, or from stdin when it is omitted or "
+        "'-' (preferred: an argument is visible in the process list and shell history). "
+        "Signed with the credential's client, which must be an admin.",
+    )
+    p.add_argument("share", nargs="?", default="-", help="the share's words, or - for stdin")
+    p.add_argument(
+        "--credential",
+        type=Path,
+        help="credential JSON {url, client_id, secret[, ca_file]} (default: "
+        "$CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
+    )
+    p.add_argument("--url", help="override the URL of the credential file")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to reach every worker (default 30)"
+    )
+    p.set_defaults(func=unseal)
+
+
+def unseal(args: argparse.Namespace) -> int:
+    from service.cli.unseal import submit_everywhere
+
+    share = args.share
+    if share == "-":
+        if sys.stdin.isatty():
+            import getpass
+
+            share = getpass.getpass("unseal share: ")
+        else:
+            share = sys.stdin.readline()
+    share = " ".join(share.split())
+    if not share:
+        raise SealError("no share given")
+    credential = args.credential or default_credential()
+    report = submit_everywhere(credential, share, url=args.url, timeout=args.timeout)
+    _print(report.body())
+    return 0 if report.ok else 1

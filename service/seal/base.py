@@ -26,6 +26,7 @@ class SealStatus:
     progress: int
     available: bool  # the seal's backing (a token) answers; False: degraded, still serving
     reason: str | None = None
+    refused: int = 0  # shares refused since the start (shamir)
 
 
 class Seal(Protocol):
