@@ -13,14 +13,16 @@ import pytest
 from pkcs11 import Attribute, KeyType, ObjectClass
 from pydantic import ValidationError
 
+from service.api.application import create_app
 from service.cli import main
-from service.config import SealSettings
+from service.config import SealSettings, Settings
 from service.keys.masterkey import MasterKey
+from service.logs import configure_logging
 from service.seal import SealError, open_seal
 from service.seal import pkcs11 as pkcs11_seal
 from service.seal.pkcs11 import Pkcs11Seal
 from service.seal.static import StaticSeal
-from tests.test_seal_support import PIN, SOFTHSM_MODULE, Token, make_token
+from tests.test_seal_support import PIN, SOFTHSM_MODULE, Token, make_store, make_token
 
 
 @pytest.fixture
@@ -373,3 +375,36 @@ def test_operator_init_static_writes_the_key_file(
     assert len(base64.b64decode(key_file.read_text())) == 32
     assert main(["operator", "init"]) == 1
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("env", "worker", "warned"),
+    [("production", 0, True), ("development", 0, False), ("production", 1, False)],
+)
+def test_static_seal_warns_at_every_production_start(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], env: str, worker: int, warned: bool
+) -> None:
+    """Once per start: by the first server worker (each start of it), not by every worker."""
+    master = secrets.token_bytes(32)
+    make_store(tmp_path, master)
+    encoded = base64.b64encode(master).decode()
+    create_app(
+        Settings(
+            env=env,  # type: ignore[arg-type]
+            tls="off",
+            master_key=encoded,  # type: ignore[arg-type]
+            keyring_file=tmp_path / "keyring.json",
+            clients_file=tmp_path / "clients.json",
+            audit_log="off",
+            worker_index=worker,
+            workers=2,
+            replay_dir=tmp_path / "replay",
+        )
+    )
+    configure_logging("info", False, "off")  # replaces the app's setup: its writer drains
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "CRYPTD_SEAL=static" in line]
+    assert len(lines) == (1 if warned else 0)
+    if warned:
+        assert orjson.loads(lines[0])["level"] == "warning"
+    assert encoded not in err

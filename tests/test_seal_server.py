@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, connections_to_every_worker, free_port, stop_server
-from tests.test_seal_support import Token, make_token
+from tests.test_seal_support import Token, make_store, make_token
 
 pytestmark = pytest.mark.slow
 
@@ -51,34 +51,33 @@ def _cryptd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture
 def deployment(tmp_path: Path) -> tuple[Token, dict[str, str], bytes, bytes]:
-    """A token, a sealed master key (known to the test only), a key store and a client."""
+    """A token, a master key sealed by `cryptd operator init` (known to the test only), a key
+    store and a client (tests/test_seal.py runs those commands under the seal)."""
     token = make_token(tmp_path / "hsm")
     env = _environment(token, tmp_path)
     master = secrets.token_bytes(32)
+    secret = make_store(tmp_path, master)
     handed_over = tmp_path / "handed-over.key"
     handed_over.write_text(base64.b64encode(master).decode())
     result = _cryptd(env, "operator", "init", "--master-key-file", str(handed_over))
     assert result.returncode == 0, result.stderr
     handed_over.unlink()  # from here on the key exists only sealed
-    for args in (("keystore", "init"), ("keys", "create", "--type", "aes256-gcm", "payments")):
-        result = _cryptd(env, *args)
-        assert result.returncode == 0, result.stderr
-    added = _cryptd(env, "clients", "add", "--admin", "--allow", "*:*", "app")
-    assert added.returncode == 0, added.stderr
-    secret = base64.b64decode(added.stdout.splitlines()[0])
     return token, env, master, secret
 
 
 @contextlib.contextmanager
-def _serve(env: dict[str, str], base: Path, secret: bytes) -> Iterator[Server]:
+def _serve(
+    env: dict[str, str], base: Path, secret: bytes, *, until: str = "/readyz", log: str = "server"
+) -> Iterator[Server]:
+    """The server, once ``until`` answers 200 (a sealed server is never ready: /healthz)."""
     port = free_port()
-    log_path = base / "server.log"
-    with open(log_path, "wb") as log:
+    log_path = base / f"{log}.log"
+    with open(log_path, "wb") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(port)],
             env=env,
             cwd=base,
-            stdout=log,
+            stdout=output,
             stderr=subprocess.STDOUT,
         )
     server = Server(process, f"http://127.0.0.1:{port}", "app", secret, base, log_path)
@@ -87,7 +86,7 @@ def _serve(env: dict[str, str], base: Path, secret: bytes) -> Iterator[Server]:
         while True:
             assert process.poll() is None, server.log()[-3000:]
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/readyz", timeout=1).status_code == 200:
+                if httpx.get(server.url + until, timeout=1).status_code == 200:
                     break
             assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.2)
@@ -185,47 +184,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("fault", ["wrong_pin", "missing_token", "missing_key"])
 def test_start_refused_with_one_line(
-    deployment: tuple[Token, dict[str, str], bytes, bytes], tmp_path: Path, fault: str
+    deployment: tuple[Token, dict[str, str], bytes, bytes], tmp_path: Path
 ) -> None:
     token, env, _, _ = deployment
-    if fault == "wrong_pin":
-        token.pin_file.write_text("00000000\n")
-        expected = "the PIN in CRYPTD_PKCS11_PIN_FILE is wrong"
-    elif fault == "missing_token":
-        env = {**env, "CRYPTD_PKCS11_TOKEN_LABEL": "absent-token"}
-        expected = "no PKCS#11 token labelled 'absent-token'"
-    else:
-        env = {**env, "CRYPTD_PKCS11_KEY_LABEL": "absent-key"}
-        expected = "not pkcs11 key 'absent-key'"
-    result = _cryptd(env, "serve", "--port", str(free_port()))
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert lines == [f"cryptd: error: {lines[0].removeprefix('cryptd: error: ')}"]
-    assert expected in lines[0]
-
-
-def test_static_seal_warns_in_production(tmp_path: Path) -> None:
-    key = base64.b64encode(secrets.token_bytes(32)).decode()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("CRYPTD_")}
-    env = {
-        **clean,
-        "CRYPTD_ENV": "production",
-        "CRYPTD_TLS": "off",
-        "CRYPTD_MASTER_KEY": key,
-        "CRYPTD_CLIENTS_FILE": str(tmp_path / "clients.json"),
-        "CRYPTD_KEYRING_FILE": str(tmp_path / "keyring.json"),
-        "CRYPTD_WORKERS": "1",
-    }
-    assert _cryptd(env, "keystore", "init").returncode == 0
-    assert _cryptd(env, "clients", "add", "--admin", "app").returncode == 0
-    with _serve(env, tmp_path, b"") as server:
-        pass
-    warnings = [line for line in server.log().splitlines() if "CRYPTD_SEAL=static" in line]
-    assert len(warnings) == 1
-    assert '"level":"warning"' in warnings[0]
-    assert key not in server.log()
+    faults = (
+        ({**env, "CRYPTD_PKCS11_TOKEN_LABEL": "absent-token"}, "no PKCS#11 token labelled"),
+        ({**env, "CRYPTD_PKCS11_KEY_LABEL": "absent-key"}, "not pkcs11 key 'absent-key'"),
+        (env, "the PIN in CRYPTD_PKCS11_PIN_FILE is wrong"),
+    )
+    for fault_env, expected in faults:
+        if "PIN" in expected:
+            token.pin_file.write_text("00000000\n")
+        result = _cryptd(fault_env, "serve", "--port", str(free_port()))
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+        assert result.stderr.startswith("cryptd: error: ")
+        assert expected in result.stderr
 
 
 def test_seal_status_is_the_one_unsigned_v1_route(server: Server) -> None:

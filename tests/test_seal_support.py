@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -9,6 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from service.auth.clients import generate_secret, write_document
+from service.keys.admin import initialise
+from service.keys.filestore import FileKeyStore
+from service.keys.manager import KeyManager
+from service.keys.masterkey import MasterKey
 
 SOFTHSM_MODULE = Path("/usr/lib/softhsm/libsofthsm2.so")
 PIN = "4711-seal"
@@ -87,3 +94,20 @@ def make_token(base: Path, label: str = "cryptd-test", pin: str = PIN) -> Token:
     pin_file.write_text(pin + "\n")
     pin_file.chmod(0o600)
     return Token(conf, directory, label, pin_file)
+
+
+def make_store(directory: Path, master: bytes) -> bytes:
+    """What `cryptd keystore init`, `keys create` and `clients add` make (tests/test_seal*.py
+    run those commands under each seal): a keyring file with the AES key ``payments`` under
+    ``master``, and ``clients.json`` with the admin client ``app``. Returns its secret."""
+    store = FileKeyStore(directory / "keyring.json")
+    initialise(store, MasterKey(master))
+    manager = KeyManager(store, MasterKey(master))
+    manager.load()
+    manager.create("payments", "aes256-gcm")
+    secret = generate_secret()
+    clients = {
+        "app": {"secret": secret, "admin": True, "allow": [{"keys": "*", "operations": ["*"]}]}
+    }
+    write_document(directory / "clients.json", {"clients": clients})
+    return base64.b64decode(secret)
