@@ -135,7 +135,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--credential",
         type=Path,
-        help="credential JSON {url, client_id, secret[, ca_file]} (default: "
+        help="credential JSON {url, client_id, secret[, ca_file, cert_file, key_file]} (default: "
         "$CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
     )
     p.add_argument("--url", help="override the URL of the credential file")

@@ -57,8 +57,17 @@ def submit_everywhere(
     data = _load(credential)
     base = (url or str(data["url"])).rstrip("/")
     verify: ssl.SSLContext | bool = True
-    if data.get("ca_file"):
-        verify = ssl.create_default_context(cafile=str(credential.parent / data["ca_file"]))
+    if data.get("ca_file") or data.get("cert_file"):
+        ca_file = data.get("ca_file")
+        verify = ssl.create_default_context(
+            cafile=None if not ca_file else str(credential.parent / ca_file)
+        )
+        if data.get("cert_file"):  # mutual TLS: present the client certificate too
+            key_file = data.get("key_file")
+            verify.load_cert_chain(
+                str(credential.parent / data["cert_file"]),
+                None if not key_file else str(credential.parent / key_file),
+            )
     secret = base64.b64decode(data["secret"])
     body = orjson.dumps({"share": share})
     report = Report()

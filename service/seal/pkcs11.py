@@ -118,7 +118,10 @@ class Pkcs11Seal:
                 f"several PKCS#11 tokens are labelled {self.token_label!r}: give each its own label"
             ) from None
         except PKCS11Error as exc:
-            raise SealError(f"the PKCS#11 token cannot be listed ({_error_name(exc)})") from None
+            raise SealError(
+                f"the PKCS#11 module cannot list its tokens ({_error_name(exc)}): check that "
+                f"token {self.token_label!r} is present and reachable"
+            ) from None
         try:
             session: pkcs11.Session = token.open(user_pin=self._pin(), rw=rw)
         except UserAlreadyLoggedIn:
