@@ -13,9 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
-from tests.conftest import Server, connections_to_every_worker, free_port, stop_server
+from tests.conftest import (
+    Server,
+    connections_to_every_worker,
+    free_port,
+    start_server,
+    stop_server,
+)
 from tests.test_seal_support import Token, make_store, make_token
 
 pytestmark = pytest.mark.slow
@@ -225,3 +232,35 @@ def test_seal_status_is_the_one_unsigned_v1_route(server: Server) -> None:
         answer = server.request(method, path, sign=False)
         assert answer.status_code == 401, (method, path, answer.status_code)
         assert answer.json()["error"]["code"] == "unauthenticated"
+
+
+def test_operator_unseal_over_tls_on_a_server_that_holds_its_key(tmp_path: Path) -> None:
+    """The credential's CA reaches an https:// server; a server that is not sealed (here
+    static) only reports its status, and the command succeeds."""
+    server = start_server(tmp_path, tls=True)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "service", "operator", "unseal", "--credential",
+             str(tmp_path / "dev" / "client.json"), "-"],
+            input="any words at all\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    finally:
+        stop_server(server)
+    assert result.returncode == 0, result.stderr
+    report = orjson.loads(result.stdout)
+    assert report == {
+        "workers": {
+            "0": {
+                "sealed": False,
+                "threshold": 1,
+                "progress": 0,
+                "type": "static",
+                "available": True,
+                "refused": 0,
+            }
+        }
+    }
