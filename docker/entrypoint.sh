@@ -49,7 +49,10 @@ require_writable_dir() {
 
 check_server_environment() {
     if [[ "${CRYPTD_ENV:-production}" != "development" ]]; then
-        if [[ -n "${CRYPTD_MASTER_KEY:-}" ]]; then
+        # Other seals (pkcs11, shamir) keep the master key out of the environment and files.
+        if [[ "${CRYPTD_SEAL:-static}" != "static" ]]; then
+            :
+        elif [[ -n "${CRYPTD_MASTER_KEY:-}" ]]; then
             note "using CRYPTD_MASTER_KEY from the environment; a mounted file (CRYPTD_MASTER_KEY_FILE) is preferred"
         else
             require_file CRYPTD_MASTER_KEY_FILE

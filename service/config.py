@@ -62,18 +62,76 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
 DEFAULT_DELETION_WAITING_PERIOD = 7 * 86400  # AWS KMS's shortest waiting period
 
 
-class Settings(BaseSettings):
+SealKind = Literal["static", "pkcs11", "shamir"]
+
+
+class SealSettings(BaseSettings):
+    """What finds the master key (service/seal/): enough for the CLI's operator commands,
+    which run without the server's other settings."""
+
     model_config = SettingsConfigDict(env_prefix="CRYPTD_", extra="ignore")
 
     env: Literal["production", "development"] = "production"
+    # static: the key itself in CRYPTD_MASTER_KEY(_FILE); pkcs11: only wrapped, by a token key;
+    # shamir: only as shares held by operators (the server starts sealed).
+    seal: SealKind = "static"
+    master_key: SecretStr | None = None
+    master_key_file: Path | None = None
+    keyring_file: Path = Path("keyring.json")
+    pkcs11_module: Path | None = None
+    pkcs11_token_label: str | None = None
+    pkcs11_key_label: str = "cryptd-seal"
+    pkcs11_pin_file: Path | None = None
+    # The sealed master key (pkcs11: not secret without the token) or the Shamir split's public
+    # facts (shamir): beside the keyring file unless set.
+    sealed_master_key_file: Path | None = None
+
+    def sealed_master_key_path(self) -> Path:
+        return self.sealed_master_key_file or self.keyring_file.with_name("sealed-master-key.json")
+
+    @model_validator(mode="after")
+    def _seal_consistent(self) -> SealSettings:
+        if self.seal == "static":
+            return self
+        if self.master_key is not None or self.master_key_file is not None:
+            raise ValueError(
+                f"CRYPTD_SEAL={self.seal} keeps the master key sealed: unset CRYPTD_MASTER_KEY "
+                "and CRYPTD_MASTER_KEY_FILE (the key must not be in the environment or on disk)"
+            )
+        if self.seal == "shamir":
+            return self
+        missing = [
+            name
+            for name, value in (
+                ("CRYPTD_PKCS11_MODULE", self.pkcs11_module),
+                ("CRYPTD_PKCS11_TOKEN_LABEL", self.pkcs11_token_label),
+                ("CRYPTD_PKCS11_PIN_FILE", self.pkcs11_pin_file),
+            )
+            if not value
+        ]
+        if missing:
+            raise ValueError(f"CRYPTD_SEAL=pkcs11 needs {', '.join(missing)}")
+        return self
+
+    def load_master_key(self) -> bytes:
+        """Return the 32-byte master key from the variable or the file; refuse anything else."""
+        if self.master_key is not None:
+            raw = self.master_key.get_secret_value()
+            source = "CRYPTD_MASTER_KEY"
+        elif self.master_key_file is not None:
+            raw = self.master_key_file.read_text().strip()
+            source = "CRYPTD_MASTER_KEY_FILE"
+        else:
+            raise ValueError("no master key configured")
+        return decode_master_key(raw, source)
+
+
+class Settings(SealSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
     workers: int = Field(default=0, ge=0, le=256)  # 0: one per CPU available (service/cpus.py)
     worker_index: int = Field(default=0, ge=0)  # set by the supervisor in each worker process
 
-    master_key: SecretStr | None = None
-    master_key_file: Path | None = None
-    keyring_file: Path = Path("keyring.json")
     # PostgreSQL key store shared by replicas (postgresql://...; libpq parameters such as
     # sslmode pass through). Unset: the keyring file.
     keystore_url: SecretStr | None = None
@@ -228,7 +286,7 @@ class Settings(BaseSettings):
     def _refuse_weak_production(self) -> Settings:
         if self.env == "development":
             return self
-        if self.master_key is None and self.master_key_file is None:
+        if self.seal == "static" and self.master_key is None and self.master_key_file is None:
             raise ValueError("CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE is required")
         if self.clients_file is None:
             raise ValueError("CRYPTD_CLIENTS_FILE is required outside development")
@@ -264,18 +322,6 @@ class Settings(BaseSettings):
                     "cryptd terminates TLS"
                 )
         return self
-
-    def load_master_key(self) -> bytes:
-        """Return the 32-byte master key from the variable or the file; refuse anything else."""
-        if self.master_key is not None:
-            raw = self.master_key.get_secret_value()
-            source = "CRYPTD_MASTER_KEY"
-        elif self.master_key_file is not None:
-            raw = self.master_key_file.read_text().strip()
-            source = "CRYPTD_MASTER_KEY_FILE"
-        else:
-            raise ValueError("no master key configured")
-        return decode_master_key(raw, source)
 
 
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "[::1]"})

@@ -107,6 +107,16 @@ class Overloaded(_RetryLater):
     default_message = "service overloaded, retry later"
 
 
+class Sealed(CryptdError):
+    """The server does not hold its master key yet (service/seal/)."""
+
+    code = "sealed"
+    default_message = (
+        "the service is sealed: operators must submit their unseal shares "
+        "(cryptd operator unseal); GET /v1/sys/seal-status shows the progress"
+    )
+
+
 class KeystoreUnavailable(CryptdError):
     """The key store failed verification or could not be read or written: key management is
     refused and nothing was changed; crypto keeps serving the keyring in memory."""

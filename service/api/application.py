@@ -24,6 +24,7 @@ from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto, health, keys, random, transfer
 from service.api.routes import metrics as metrics_route
+from service.api.routes import seal as seal_route
 from service.api.spec import allowed_methods
 from service.api.timing import RequestTimer
 from service.asgi import ASGIApp, Receive, Scope, Send
@@ -46,6 +47,8 @@ from service.pool.base import Executor
 from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
+from service.seal import Seal, open_seal
+from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
 
@@ -101,14 +104,21 @@ async def _every(interval: float, what: str, action: Callable[[], Awaitable[None
 
 
 def create_app(
-    settings: Settings | None = None, *, clock: Callable[[], float] = time.time
+    settings: Settings | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+    seal: Seal | None = None,
 ) -> FastAPI:
     """The application. ``clock`` is what request signatures' ``created`` is checked against
-    (tests inject a fixed one to replay a known-answer vector)."""
+    (tests inject a fixed one to replay a known-answer vector); ``seal``: one already unsealed
+    (service/api/sealed.py), else the one the settings name, unsealed here."""
     settings = settings or Settings()
     logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
     metrics = Metrics(enabled=settings.metrics, max_keys=settings.metrics_max_keys)
-    master_key = settings.load_master_key()
+    seal = seal or open_seal(settings)
+    master_key = seal.unseal()
+    if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
+        log.warning(STATIC_SEAL_WARNING)
     manager = KeyManager(
         open_store(settings.keystore_url_value(), settings.keyring_file),
         MasterKey(master_key),
@@ -190,7 +200,16 @@ def create_app(
         # Usage is informational: a usage store that cannot be written leaves the pod ready.
         return True, usage.health()
 
+    async def seal_ready() -> tuple[bool, dict[str, Any]]:
+        # The master key is in memory: a seal whose token went away degrades, never unreadies.
+        status = await run_in_threadpool(seal.status)
+        detail: dict[str, Any] = {"kind": status.kind, "available": status.available}
+        if not status.available:
+            detail.update(degraded=True, reason=status.reason)
+        return True, detail
+
     readiness: list[tuple[str, ReadinessCheck]] = [
+        ("seal", seal_ready),
         ("pool", pool_ready),
         ("replay_store", replay_ready),
         ("audit", audit_ready),
@@ -257,6 +276,7 @@ def create_app(
                 await executor.close()
             await auth.aclose()
             await run_in_threadpool(manager.store.close)
+            await run_in_threadpool(seal.close)
             manager.board.close()
             metrics.close()
             # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
@@ -316,8 +336,10 @@ def create_app(
         redoc_url=None,
     )
     app.state.services = services
+    app.state.seal = seal
     errors.install(app)
     app.include_router(health.router)
+    app.include_router(seal_route.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)
@@ -363,7 +385,7 @@ class Service(FastAPI):
         await Starlette.__call__(self, scope, receive, send)
 
 
-def app_factory() -> FastAPI:
+def app_factory() -> ASGIApp:
     """Entry point for ``uvicorn --factory`` (each server worker process builds its own app).
     Workers a process manager spawned with no shared store (``uvicorn --workers N``) get the
     host store and board of their siblings: each one's memory would accept a replay once per
@@ -374,4 +396,16 @@ def app_factory() -> FastAPI:
         settings = settings.model_copy(update={"replay_dir": shared})
     if shared is not None and settings.runtime_dir is None:
         settings = settings.model_copy(update={"runtime_dir": shared})
+    if settings.seal == "shamir":
+        # Starts sealed: the full application is built once operators' shares unseal it.
+        from service.api.sealed import SealedService
+        from service.seal.shamir import ShamirSeal
+
+        configure_logging(settings.log_level, settings.access_log, "off")
+        final = settings
+        return SealedService(
+            settings,
+            ShamirSeal(settings.sealed_master_key_path()),
+            lambda seal: create_app(final, seal=seal),
+        )
     return create_app(settings)

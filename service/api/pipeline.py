@@ -46,6 +46,7 @@ from service.asgi import (
 from service.auth.authenticator import REFUSED, WANTED_HEADERS, Authenticator, add_field
 from service.auth.policy import is_protected
 from service.errors import CryptdError, Overloaded
+from service.errors import Sealed as SealedError
 from service.operations import OpName
 from service.pool import InFlight
 
@@ -56,6 +57,15 @@ Endpoint = Callable[[Scope, bytes, OpName, str], Awaitable[bytes]]
 for the error model. ``scope["state"]["client"]`` is the authenticated client."""
 
 _CONTENT_TYPE = (b"content-type", b"application/json")
+
+# The one /v1/ route answered unsigned: an operator asks it before any client can sign.
+_UNSIGNED_GET = "/v1/sys/seal-status"
+# What a sealed server answers under /v1/ (every other route: 503 sealed).
+_WHILE_SEALED = frozenset({_UNSIGNED_GET, "/v1/sys/unseal"})
+
+
+def _unsigned(scope: Scope) -> bool:
+    return scope["method"] in ("GET", "HEAD") and route_path(scope) == _UNSIGNED_GET
 
 
 class RequestPipeline:
@@ -73,6 +83,7 @@ class RequestPipeline:
         on_overload: Callable[[], None] | None = None,
         cheap: InFlight | None = None,
         costly: Callable[[str], bool] = lambda key: False,
+        sealed: bool = False,
     ) -> None:
         """``app`` answers every request but the crypto operations. ``routes`` maps each
         operation to its FastAPI route (set as ``scope["route"]``; its path is the metrics'
@@ -82,8 +93,10 @@ class RequestPipeline:
         requests are refused with 503 before any work; ``on_overload`` counts them,
         ``on_body_rejected("body_size")`` counts 413s. ``cheap`` counts the crypto requests in
         progress whose key is not ``costly(key)``: the ones costly work on the loop yields to
-        (service/pool/sliced.py)."""
+        (service/pool/sliced.py). ``sealed``: the pipeline of a server without its master key
+        (service/api/sealed.py): every /v1/ route but the seal's answers 503 ``sealed``."""
         self.app = app
+        self.sealed = sealed
         self.endpoint = endpoint
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
@@ -160,6 +173,9 @@ class RequestPipeline:
         else:
             cheap = None
         try:
+            if self.sealed and is_protected(scope) and route_path(scope) not in _WHILE_SEALED:
+                await send_cryptd_error(send_with_id, SealedError())
+                return
             if declared > self.max_body_bytes:
                 await self._too_large(send_with_id)
                 return
@@ -171,7 +187,9 @@ class RequestPipeline:
             if body is None:  # the client went away
                 return
             authenticator = self.authenticator
-            if authenticator is not None and (target is not None or is_protected(scope)):
+            if authenticator is not None and (
+                target is not None or (is_protected(scope) and not _unsigned(scope))
+            ):
                 try:
                     await authenticator.authenticate(scope, headers, body)
                 except REFUSED as exc:

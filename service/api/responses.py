@@ -187,6 +187,22 @@ class Readiness(_Answer):
     )
 
 
+class SealStatus(_Answer):
+    sealed: bool = Field(description="True until the master key is in this server's memory.")
+    threshold: int = Field(description="How many unseal shares it takes (1: the seal's own key).")
+    progress: int = Field(description="Valid shares received so far while sealed.")
+    type: Literal["static", "pkcs11", "shamir"] = Field(description="The seal (CRYPTD_SEAL).")
+    available: bool = Field(
+        description="Whether the seal's backing (the PKCS#11 token) answers; false: crypto "
+        "keeps serving from memory and /readyz is degraded."
+    )
+    refused: int = Field(
+        description="Shares refused since this worker started (malformed, altered, of another "
+        "split, repeated); a refusal leaves the progress as it was."
+    )
+    reason: str | None = Field(default=None, description="Why the seal is unavailable.")
+
+
 __all__ = [
     "BackupResponse",
     "DatakeyResponse",
@@ -204,6 +220,7 @@ __all__ = [
     "OperationCounts",
     "RandomResponse",
     "Readiness",
+    "SealStatus",
     "SignResponse",
     "VerifyResponse",
     "VersionUsage",

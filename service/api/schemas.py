@@ -298,3 +298,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def parse_model(model: type[M], body: bytes) -> M:
     return validate(model, parse_json_object(body))
+
+
+class UnsealRequest(_Body):
+    share: str = Field(
+        max_length=1024, description="One operator's unseal share (a 33-word SLIP-39 mnemonic)."
+    )

@@ -57,6 +57,8 @@ ERROR_CODES: Mapping[str, str] = {
     "unavailable (see Retry-After)",
     "keystore_unavailable": "the key store cannot be verified, read or written: key "
     "management is refused, crypto keeps serving from memory",
+    "sealed": "an operation that needs the seal while it is unavailable (the message says "
+    "what to do); crypto keeps serving from the master key in memory",
     "internal": "an unexpected failure; never a stack trace, key or plaintext",
 }
 
@@ -188,6 +190,15 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/readyz", "readyz", "Readiness", None, {200: r.Readiness, 503: r.Readiness},
           ANY, signed=False, tag="health",
           description="503 (same body) while a check fails."),
+    Route("GET", "/v1/sys/seal-status", "seal_status", "Seal status", None,
+          {200: r.SealStatus}, ANY, signed=False, tag="seal",
+          description="Unsigned, like /readyz."),
+    Route("POST", "/v1/sys/unseal", "unseal",
+          "Submit one Shamir unseal share to this server worker (admin)", s.UnsealRequest,
+          {200: r.SealStatus}, (*SIGNED, *BODY, "forbidden", "sealed"), tag="seal",
+          description="A refused share (malformed, altered, of another split, repeated) is 400 "
+          "and leaves the progress as it was. On a server that holds its master key: the "
+          "status, nothing else."),
     Route("GET", "/metrics", "metrics", "Prometheus text exposition", None, {200: None}, ANY,
           signed=False, tag="health", media_type="text/plain"),
 )  # fmt: skip

@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "keys",
     "keystore",
     "master_key",
+    "operator",
     "clients",
     "call",
     "bench",

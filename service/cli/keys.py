@@ -19,6 +19,7 @@ from service.keys.manager import MIN_AUTO_ROTATE_PERIOD, KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.mutations import KeySettings
 from service.keys.store import KeyStore
+from service.seal import unseal_master_key
 from service.stores import open_store
 
 
@@ -26,6 +27,8 @@ def master_key_from_env(path: str | None = None) -> MasterKey:
     """The master key from --master-key-file, CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE."""
     if path:
         return MasterKey(decode_master_key(Path(path).read_text(), path))
+    if os.environ.get("CRYPTD_SEAL", "static") != "static":
+        return unseal_master_key()
     if value := os.environ.get("CRYPTD_MASTER_KEY"):
         return MasterKey(decode_master_key(value, "CRYPTD_MASTER_KEY"))
     if file := os.environ.get("CRYPTD_MASTER_KEY_FILE"):

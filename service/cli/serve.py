@@ -36,6 +36,7 @@ from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore
 from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
+from service.seal import open_seal, unseal_once
 from service.stores import open_store
 
 log = logging.getLogger("cryptd")
@@ -244,7 +245,10 @@ def serve(args: argparse.Namespace) -> int:
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     _check_docs_assets(settings)
-    _verify_key_store(settings, settings.load_master_key())
+    if settings.seal == "shamir":
+        open_seal(settings).close()  # starts sealed; the split's seal file must be there
+    else:
+        _verify_key_store(settings, unseal_once(settings))
     # Every worker sees the count the supervisor starts (and sizes its pool by it).
     os.environ["CRYPTD_WORKERS"] = str(settings.workers)
     _open_replay_store(settings, dev_created)

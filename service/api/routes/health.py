@@ -44,6 +44,7 @@ async def readyz(request: Request) -> Response:
         checks[name] = {"ok": ok, **detail}
         ready = ready and ok
     status = "ready" if ready else "not_ready"
-    if ready and keys.store_error is not None:
+    degraded = any(check.get("degraded") for check in checks.values())
+    if ready and (keys.store_error is not None or degraded):
         status = "degraded"
     return json_response({"status": status, "checks": checks}, status=200 if ready else 503)

@@ -1,0 +1,165 @@
+"""``cryptd operator init|unseal``: set up the seal that keeps the master key (CRYPTD_SEAL),
+and unseal a server started sealed.
+
+- ``static``: a new random master key in the file ``CRYPTD_MASTER_KEY_FILE`` names (mode 0600).
+- ``pkcs11``: the token's AES-256 seal key (created when absent, never extractable) and the
+  master key sealed under it in ``CRYPTD_SEALED_MASTER_KEY_FILE`` (default: beside the
+  keyring file). ``--master-key-file`` seals an existing master key instead of a fresh one:
+  a static deployment moves to the token without rewrapping any key version.
+- ``shamir``: ``--shares N --threshold K`` splits a new master key into N SLIP-39 shares
+  printed once (one per line, or ``--json``); only the split's public facts are written.
+
+Then ``cryptd keystore init`` creates the key store under that master key, as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import secrets
+import sys
+from pathlib import Path
+
+import orjson
+
+from service.cli.call import default_credential
+from service.config import SealSettings, decode_master_key
+from service.fileio import atomic_write
+from service.keys.masterkey import MasterKey
+from service.seal import SealError
+
+
+def _print(data: object) -> None:
+    sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _existing_master_key(path: str | None) -> bytes | None:
+    return None if path is None else decode_master_key(Path(path).read_text(), path)
+
+
+def init(args: argparse.Namespace) -> int:
+    settings = SealSettings()
+    existing = _existing_master_key(args.master_key_file)
+    if (args.shares is None) != (args.threshold is None):
+        raise SealError("--shares and --threshold go together")
+    if settings.seal == "shamir":
+        if args.shares is None:
+            raise SealError("CRYPTD_SEAL=shamir: give --shares N --threshold K")
+        return _init_shamir(settings, args, existing)
+    if args.shares is not None:
+        raise SealError("--shares and --threshold split the key for CRYPTD_SEAL=shamir only")
+    if settings.seal == "pkcs11":
+        from service.seal.pkcs11 import Pkcs11Seal
+
+        seal = Pkcs11Seal.from_settings(settings)
+        try:
+            report = seal.init(existing)
+        finally:
+            seal.close()
+        _print(
+            {
+                "seal": "pkcs11",
+                "token_label": seal.token_label,
+                "key_label": seal.key_label,
+                "token_key_created": report.token_key_created,
+                "sealed_master_key_file": str(report.sealed_file),
+                "master_key_id": report.key_id,
+            }
+        )
+        return 0
+    return _init_static(settings, existing)
+
+
+def _init_shamir(settings: SealSettings, args: argparse.Namespace, existing: bytes | None) -> int:
+    from service.seal.shamir import split
+
+    path = settings.sealed_master_key_path()
+    shares = split(path, args.shares, args.threshold, existing)
+    # Shown once, stored nowhere: each line goes to one operator.
+    if args.json:
+        _print({"shares": shares})
+    else:
+        sys.stdout.write("".join(share + "\n" for share in shares))
+    print(
+        f"cryptd: {args.shares} shares printed once; any {args.threshold} unseal the service. "
+        f"Split recorded in {path}.",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _init_static(settings: SealSettings, existing: bytes | None) -> int:
+    if settings.master_key is not None:
+        raise SealError(
+            "CRYPTD_SEAL=static with CRYPTD_MASTER_KEY set: the master key already exists "
+            "(in the environment); nothing to initialise"
+        )
+    path = settings.master_key_file
+    if path is None:
+        raise SealError("CRYPTD_SEAL=static: set CRYPTD_MASTER_KEY_FILE to where the key goes")
+    if path.exists():
+        raise SealError(f"{path} already exists: the master key is there")
+    master = secrets.token_bytes(32) if existing is None else existing
+    atomic_write(path, base64.b64encode(master) + b"\n", mode=0o600)
+    key_id = MasterKey(master).key_id
+    _print({"seal": "static", "master_key_file": str(path), "master_key_id": key_id})
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("operator", help="the seal that keeps the master key (CRYPTD_SEAL)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    p = actions.add_parser(
+        "init",
+        help="create the seal's key and the sealed master key (pkcs11), or the master key "
+        "file (static)",
+    )
+    p.add_argument(
+        "--master-key-file",
+        help="seal this existing base64 master key instead of a new one (moving a static "
+        "deployment to another seal; the key stores stay as they are)",
+    )
+    p.add_argument("--shares", type=int, help="shamir: how many shares to make (at most 16)")
+    p.add_argument("--threshold", type=int, help="shamir: how many shares unseal")
+    p.add_argument("--json", action="store_true", help='shamir: print {"shares": [...]}')
+    p.set_defaults(func=init)
+
+    p = actions.add_parser(
+        "unseal",
+        help="submit one Shamir share to every worker of a sealed server",
+        description="The share is read from the argument, or from stdin when it is omitted or "
+        "'-' (preferred: an argument is visible in the process list and shell history). "
+        "Signed with the credential's client, which must be an admin.",
+    )
+    p.add_argument("share", nargs="?", default="-", help="the share's words, or - for stdin")
+    p.add_argument(
+        "--credential",
+        type=Path,
+        help="credential JSON {url, client_id, secret[, ca_file, cert_file, key_file]} (default: "
+        "$CRYPTD_DEV_DIR/client.json or ./.cryptd-dev/client.json)",
+    )
+    p.add_argument("--url", help="override the URL of the credential file")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to reach every worker (default 30)"
+    )
+    p.set_defaults(func=unseal)
+
+
+def unseal(args: argparse.Namespace) -> int:
+    from service.cli.unseal import submit_everywhere
+
+    share = args.share
+    if share == "-":
+        if sys.stdin.isatty():
+            import getpass
+
+            share = getpass.getpass("unseal share: ")
+        else:
+            share = sys.stdin.readline()
+    share = " ".join(share.split())
+    if not share:
+        raise SealError("no share given")
+    credential = args.credential or default_credential()
+    report = submit_everywhere(credential, share, url=args.url, timeout=args.timeout)
+    _print(report.body())
+    return 0 if report.ok else 1
