@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "call",
     "bench",
     "migrate",
+    "audit",
 )
 
 
