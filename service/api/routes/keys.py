@@ -114,7 +114,7 @@ async def list_keys(request: Request) -> Response:
 @router.get("/{key}")
 async def describe_key(request: Request, key: str) -> Response:
     check_key_name(key)
-    deps.note(request, key=key, operation="read")
+    deps.note(request, key=key, operation="read", audit_event="key.read")
     deps.authorize(request, key, "read")
     services = deps.services(request)
     _, found = await services.runner.key(key)
