@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from tests.conftest import Server, start_server, stop_server
+from tests.test_keystore_support import fill, needs_root, needs_tool
 
 pytestmark = pytest.mark.slow
 
@@ -265,3 +266,66 @@ def test_sigkill_under_mixed_load_loses_no_answered_record(tmp_path: Path) -> No
     result = cli_verify(server, audit_files(logs))
     assert result.returncode == 0, result.stdout + result.stderr
     assert " 0 checkpoint" not in result.stdout
+
+
+def test_a_full_disk_refuses_reports_and_recovers(tmp_path: Path) -> None:
+    """The audit file on its own 1 MiB tmpfs (a private mount namespace), filled up."""
+    needs_root("mounting a tmpfs in a private mount namespace")
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    prefix = [
+        needs_tool("unshare"), "--mount", "--propagation", "private", "/bin/sh", "-c",
+        'mount -t tmpfs -o size=1m,mode=0700 tmpfs "$0" && exec "$@"', str(mount_point),
+    ]  # fmt: skip
+    server = start_server(
+        tmp_path,
+        {"CRYPTD_AUDIT_LOG": str(mount_point / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"},
+        prefix=prefix,
+    )
+    try:
+        seen = Path(f"/proc/{server.process.pid}/root") / mount_point.relative_to("/")
+        item = {"plaintext": b64(PLAINTEXT)}
+        assert call(server, "POST", "/v1/encrypt/aes256-gcm", item).status_code == 200
+        filler = fill(seen)
+        answered = []  # what still fits in the file's last page is written, and answered
+        for _ in range(100):
+            refused = call(server, "POST", "/v1/encrypt/aes256-gcm", item)
+            if refused.status_code != 200:
+                break
+            answered.append(refused.headers["x-request-id"])
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "audit_unavailable"
+        body = wait_ready(server, ready=False)
+        assert any("No space left" in reason for reason in body["reasons"])
+        filler.unlink()
+        recovered = call(server, "POST", "/v1/encrypt/aes256-gcm", item)
+        assert recovered.status_code == 200
+        wait_ready(server, ready=True)
+        records = audit_records(seen)
+        ids = {r.get("request_id") for r in records}
+        assert recovered.headers["x-request-id"] in ids
+        assert ids.issuperset(answered)
+        assert refused.headers["x-request-id"] not in ids
+        result = cli_verify(server, audit_files(seen))  # no torn line left by the full disk
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        stop_server(server)
+
+
+def test_sighup_rotates_and_the_chain_holds(audited: tuple[Server, Path]) -> None:
+    server, logs = audited
+    before = len(audit_files(logs))
+    assert (
+        call(server, "POST", "/v1/encrypt/aes256-gcm", {"plaintext": b64("x")}).status_code == 200
+    )
+    os.kill(server.process.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while len(audit_files(logs)) == before:
+        assert time.monotonic() < deadline, "no rotated file"
+        time.sleep(0.1)
+    answer = call(server, "POST", "/v1/encrypt/aes256-gcm", {"plaintext": b64("y")})
+    assert answer.status_code == 200
+    rotated = [name for name in audit_files(logs) if name[-12:].isdigit()]
+    assert rotated
+    result = cli_verify(server, audit_files(logs), "--partial")
+    assert result.returncode == 0, result.stdout + result.stderr
