@@ -36,6 +36,7 @@ STATUS: dict[str, int] = {
     "rate_limited": 429,
     "overloaded": 503,
     "keystore_unavailable": 503,
+    "audit_unavailable": 503,
     "internal": 500,
 }
 
