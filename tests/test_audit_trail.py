@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -341,3 +342,22 @@ async def test_a_torn_tail_is_kept_aside_and_the_chain_goes_on(tmp_path: Path) -
     assert len(torn) == 1
     assert not verify([torn[0]], KEYS).ok
     assert records(path)[0]["prev"] == chain.line_hash(lines_of(Path(torn[0]))[-2])
+
+
+async def test_recovery_is_seen_without_any_request(tmp_path: Path) -> None:
+    """A pod that is not ready gets no traffic: the writer probes the file by itself."""
+    path = tmp_path / "audit.log"
+    audit = open_audit(path)
+    try:
+        assert await audit.commit(record(1))
+        path.chmod(0o400)
+        assert not await audit.commit(record(2))
+        path.chmod(0o600)
+        deadline = time.monotonic() + 5
+        while not audit.healthy():
+            assert time.monotonic() < deadline, audit.reason()
+            await asyncio.sleep(0.05)
+    finally:
+        audit.close()
+    assert records(path)[-1]["event"] == "audit.checkpoint"
+    assert verify([str(path)], KEYS, sealed=True).ok

@@ -38,6 +38,8 @@ from service.audit.chain import Head
 
 log = logging.getLogger("cryptd.audit")
 
+RETRY_INTERVAL = 1.0  # seconds between probes of a file that could not be written
+
 Format = Callable[[Any], dict[str, Any]]
 """format(record) -> the line's fields (after seq and prev), run on the writer thread."""
 
@@ -118,7 +120,10 @@ class AuditWriter:
         self.failures = 0
         self.signing_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="cryptd-audit", daemon=True)
-        self._open()  # at start: a file that cannot be opened is an error the operator sees now
+        # At start: a file that cannot be opened is an error the operator sees now. Its
+        # audit.open line is written at once, so no file of the trail is ever left empty.
+        self._open()
+        self._append([], checkpoint_after=False)
         self._thread.start()
 
     # -- the request side ---------------------------------------------------------------------
@@ -173,9 +178,11 @@ class AuditWriter:
                 return
 
     def _wait_time(self) -> float:
+        if self.error is not None:
+            return RETRY_INTERVAL
         if self._since_checkpoint == 0:
             return 1.0
-        return max(0.0, self._last_checkpoint + self._interval - time.monotonic())
+        return max(0.05, self._last_checkpoint + self._interval - time.monotonic())
 
     def _write_batch(self, batch: list[_Pending], *, final: bool = False) -> None:
         waiters = _Waiters()
@@ -196,13 +203,19 @@ class AuditWriter:
             (fields or self._since_checkpoint)
             and (final or time.monotonic() - self._last_checkpoint >= self._interval)
         )
-        if not fields and not due:
+        # While failing, a checkpoint every RETRY_INTERVAL probes the file even when no
+        # request comes (a pod out of its Service's endpoints gets none): the first one that
+        # is written clears the error.
+        probe = self.error is not None and not fields
+        if not fields and not due and not probe:
             waiters.settle(self.error is None)
             return
-        ok = self._append(fields, checkpoint_after=bool(due))
+        ok = self._append(fields, checkpoint_after=bool(due) or probe, force=probe)
         waiters.settle(ok)
 
-    def _append(self, fields: list[dict[str, Any]], *, checkpoint_after: bool) -> bool:
+    def _append(
+        self, fields: list[dict[str, Any]], *, checkpoint_after: bool, force: bool = False
+    ) -> bool:
         try:
             self._check_file()
         except OSError as exc:
@@ -216,13 +229,14 @@ class AuditWriter:
         for item in fields:
             line, head = chain.encode(head, item)
             lines.append(line)
-        since = self._since_checkpoint + len(fields)
-        if checkpoint_after and since and self._signer is not None:
+        since = self._since_checkpoint + len(lines)  # the audit.open line is one too
+        if checkpoint_after and (since or force) and self._signer is not None:
             try:
                 cp = checkpoint.fields(
                     self.stream, head.seq + 1, head.hash, utc(time.time()), self._signer
                 )
             except Exception as exc:  # the keyring refused: records still go, unsigned so far
+                self._last_checkpoint = time.monotonic()  # tried again after an interval
                 self.signing_error = f"checkpoint signing failed ({type(exc).__name__})"
                 log.error("audit checkpoint not signed", extra={"error_type": type(exc).__name__})
             else:
@@ -369,10 +383,7 @@ class AuditWriter:
             log.error("audit file not rotated", extra={"reason": _reason(exc)})
             return
         self._close_fd()
-        try:
-            self._open()
-        except OSError as exc:
-            self._failed(0, _reason(exc))
+        self._append([], checkpoint_after=False)  # the new file's audit.open line
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
