@@ -42,7 +42,7 @@ def open_audit(path: Path, **options: Any) -> Audit:
     audit = Audit(None, fail_closed=True, mac=redact.salted(b"s" * 32))
     options.setdefault("checkpoint_every", 5)
     audit.trail = AuditWriter(str(path), format=audit.fields, signer=sign, **options)
-    audit.enabled = True
+    audit.enabled = audit.fail_closed = True
     return audit
 
 

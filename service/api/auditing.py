@@ -69,6 +69,13 @@ class AuditedSend:
             return
         await self.send(message)
 
+    async def abandon(self) -> None:
+        """The app failed after starting an error answer it never finished: that request
+        still gets its record (``internal``)."""
+        if self._held is not None and not self.committed:
+            self._held = None
+            await self.audit.commit(record_of(self.scope, 500, "internal"))
+
     async def _commit(self, status: int, code: str | None) -> bool:
         """Write the record; False when the answer was replaced by 503 audit_unavailable."""
         self.committed = True

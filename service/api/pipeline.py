@@ -229,6 +229,8 @@ class RequestPipeline:
             )
             if not response_started:
                 await send_error(send_with_id, 500, "internal", "internal error")
+            elif isinstance(answer_to, AuditedSend):
+                await answer_to.abandon()
         finally:
             if isinstance(answer_to, AuditedSend) and answer_to.replaced:
                 status = 503
