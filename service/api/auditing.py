@@ -19,6 +19,8 @@ from typing import Any
 import orjson
 
 from service.asgi import Scope, Send, route_path, send_error
+from service.audit.checkpoint import SIGNING_KEY
+from service.audit.redact import HMAC_KEY
 from service.audit.syslog import SyslogSink
 from service.auth.policy import STATE_KEY
 from service.config import Settings
@@ -146,6 +148,13 @@ def open_audit_trail(
 ) -> Audit:
     """The audit trail of this server worker in ``settings.audit_log`` (its own stream)."""
     address = settings.audit_syslog_address()
+    if settings.keyring_read_only and not all(
+        name in manager.keyring.internal for name in (SIGNING_KEY, HMAC_KEY)
+    ):
+        raise ValueError(
+            "CRYPTD_AUDIT_LOG needs the keyring's audit keys and this keyring is read-only:"
+            " create them once with `cryptd audit init` (then ship the keyring as usual)"
+        )
     return Audit.to_file(
         settings.audit_log,
         manager,

@@ -1,4 +1,8 @@
-"""``cryptd audit verify|public-key|hash``: prove an audit trail, hand an auditor what it needs.
+"""``cryptd audit init|verify|public-key|hash``: the trail's keys; prove a trail; hand an
+auditor what it needs.
+
+``init`` creates the keyring's internal audit keys (the service makes them on first use; a
+read-only keyring needs them made here, once).
 
 ``verify FILE…`` checks the hash chain of every stream across rotated and per-worker files
 and every signed checkpoint (service/audit/verify.py); exit 0 only when all of it holds, 1
@@ -57,6 +61,19 @@ def _file_public_keys(paths: list[str]) -> dict[int, Ed25519PublicKey]:
     return found
 
 
+def init_command(args: argparse.Namespace) -> int:
+    manager = KeyManager(store_from_args(args), master_key_from_env(args.master_key_file))
+    manager.load()
+    for name, type_name in (
+        (checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE),
+        (redact.HMAC_KEY, redact.HMAC_KEY_TYPE),
+    ):
+        found = name in manager.keyring.internal
+        manager.ensure_internal_key(name, type_name)
+        print(f"{name}: {'present' if found else 'created'}")
+    return 0
+
+
 def verify_command(args: argparse.Namespace) -> int:
     try:
         keys = _file_public_keys(args.public_key) if args.public_key else _keyring_public_keys(args)
@@ -108,6 +125,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("audit", help="verify the audit trail")
     actions = parser.add_subparsers(dest="action", required=True)
     common = store_options()
+    init = actions.add_parser(
+        "init", parents=[common], help="create the keyring's audit signing and HMAC keys"
+    )
+    init.set_defaults(func=init_command)
     check = actions.add_parser(
         "verify",
         parents=[common],
