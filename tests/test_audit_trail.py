@@ -361,3 +361,20 @@ async def test_recovery_is_seen_without_any_request(tmp_path: Path) -> None:
         audit.close()
     assert records(path)[-1]["event"] == "audit.checkpoint"
     assert verify([str(path)], KEYS, sealed=True).ok
+
+
+def test_sm2_signer_ids_and_derivation_contexts_are_hmacs() -> None:
+    from service.crypto.base import SignOptions
+    from service.operations import HmacItem, SignItem
+
+    mac = redact.salted(b"d" * 32)
+    audit = Audit(None, mac=mac)
+    signed = SignItem(data=b"MESSAGE-1", options=SignOptions(signer_id=b"alice@bank.example"))
+    derived = HmacItem(data=b"MESSAGE-2", context=b"tenant-9")
+    line = audit.fields(record(1, values=(signed, derived)))
+    assert line["signer_id"] == [redact.hashed(mac, b"alice@bank.example")]
+    assert line["context"] == [redact.hashed(mac, b"tenant-9")]
+    assert "aad" not in line
+    text = orjson.dumps(line)
+    for secret in (b"MESSAGE-1", b"MESSAGE-2", b"alice@bank", b"tenant-9"):
+        assert secret not in text
