@@ -378,3 +378,22 @@ def test_sm2_signer_ids_and_derivation_contexts_are_hmacs() -> None:
     text = orjson.dumps(line)
     for secret in (b"MESSAGE-1", b"MESSAGE-2", b"alice@bank", b"tenant-9"):
         assert secret not in text
+
+
+async def test_a_record_that_cannot_be_formatted_refuses_only_its_request(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.log"
+    audit = open_audit(path)
+    broken = record(2, detail={"bad": object()})  # orjson cannot write it
+    try:
+        results = list(
+            await asyncio.gather(
+                audit.commit(record(1)), audit.commit(broken), audit.commit(record(3))
+            )
+        )
+    finally:
+        audit.close()
+    assert results == [True, False, True]
+    ids = [r["request_id"] for r in records(path) if r["event"] == "encrypt"]
+    assert ids == ["req-1", "req-3"]

@@ -33,9 +33,12 @@ class Head:
     hash: str = GENESIS
 
 
-def encode(head: Head, fields: dict[str, Any]) -> tuple[bytes, Head]:
-    """The next line (with its newline) after ``head``, and the new head."""
-    line = orjson.dumps({"seq": head.seq + 1, "prev": head.hash, **fields})
+def encode(head: Head, fields: dict[str, Any] | bytes) -> tuple[bytes, Head]:
+    """The next line (with its newline) after ``head``, and the new head. ``fields``: a dict,
+    or one already serialized (a JSON object, so a bad value fails its own record only)."""
+    body = fields if isinstance(fields, bytes) else orjson.dumps(fields)
+    prefix = b'{"seq":%d,"prev":"%s"' % (head.seq + 1, head.hash.encode())
+    line = prefix + (b"}" if body == b"{}" else b"," + body[1:])
     return line + b"\n", Head(head.seq + 1, line_hash(line))
 
 

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+import orjson
+
 from service.audit import chain, checkpoint
 from service.audit.chain import Head
 
@@ -185,20 +187,24 @@ class AuditWriter:
         return max(0.05, self._last_checkpoint + self._interval - time.monotonic())
 
     def _write_batch(self, batch: list[_Pending], *, final: bool = False) -> None:
-        waiters = _Waiters()
-        fields: list[dict[str, Any]] = []
+        waiters, refused = _Waiters(), _Waiters()
+        fields: list[bytes] = []
         for record, waiter in batch:
+            told = waiters
+            if record is not None:  # else a flush marker: told how the batch went
+                try:
+                    fields.append(orjson.dumps(self._format(record)))
+                except Exception as exc:  # a bug in a record's fields: that request is refused
+                    log.error(
+                        "audit record not formatted", extra={"error_type": type(exc).__name__}
+                    )
+                    self._failed(1, "an audit record could not be formatted")
+                    told = refused
             if isinstance(waiter, asyncio.Future):
-                waiters.by_loop.setdefault(waiter.get_loop(), []).append(waiter)
+                told.by_loop.setdefault(waiter.get_loop(), []).append(waiter)
             elif waiter is not None:
-                waiters.callbacks.append(waiter)
-            if record is None:  # a flush marker
-                continue
-            try:
-                fields.append(self._format(record))
-            except Exception as exc:  # a bug in a record's fields: that request is refused
-                log.error("audit record not formatted", extra={"error_type": type(exc).__name__})
-                self._failed(1, "an audit record could not be formatted")
+                told.callbacks.append(waiter)
+        refused.settle(False)
         due = self._since_checkpoint + len(fields) >= self._every or (
             (fields or self._since_checkpoint)
             and (final or time.monotonic() - self._last_checkpoint >= self._interval)
@@ -210,12 +216,15 @@ class AuditWriter:
         if not fields and not due and not probe:
             waiters.settle(self.error is None)
             return
-        ok = self._append(fields, checkpoint_after=bool(due) or probe, force=probe)
+        try:
+            ok = self._append(fields, checkpoint_after=bool(due) or probe, force=probe)
+        except Exception as exc:  # never a dead writer thread with requests waiting on it
+            log.error("audit batch failed", extra={"error_type": type(exc).__name__})
+            self._failed(len(fields), f"audit writer error ({type(exc).__name__})")
+            ok = False
         waiters.settle(ok)
 
-    def _append(
-        self, fields: list[dict[str, Any]], *, checkpoint_after: bool, force: bool = False
-    ) -> bool:
+    def _append(self, fields: list[bytes], *, checkpoint_after: bool, force: bool = False) -> bool:
         try:
             self._check_file()
         except OSError as exc:
