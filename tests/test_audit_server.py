@@ -210,6 +210,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (server workers, their pool processes)."""
+    found = [pid]
+    for child in children(pid):
+        found += descendants(child)
+    return found
+
+
 def test_sigkill_under_mixed_load_loses_no_answered_record(tmp_path: Path) -> None:
     logs = tmp_path / "audit"
     logs.mkdir()
@@ -251,7 +259,7 @@ def test_sigkill_under_mixed_load_loses_no_answered_record(tmp_path: Path) -> No
     deadline = time.monotonic() + 20  # a busy machine answers slowly: enough answers first
     while len(answered) < 60 and time.monotonic() < deadline:
         time.sleep(0.1)
-    victims = [server.process.pid, *children(server.process.pid)]
+    victims = descendants(server.process.pid)
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     stop.set()
