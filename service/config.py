@@ -206,7 +206,17 @@ class Settings(SealSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
-    audit_log: str = "stderr"  # "stderr", "off" or a file path
+    audit_log: str = "stderr"  # "stderr", "off" or a file path (the chained audit trail)
+    # A request whose audit record cannot be made durable is refused 503 audit_unavailable
+    # (None: on in production); only with a file audit_log.
+    audit_fail_closed: bool | None = None
+    # A signed checkpoint after this many records, or this many seconds after the first
+    # record it would cover; a rotation when the file passes audit_max_bytes (0: size never).
+    audit_checkpoint_records: int = Field(default=1000, ge=1, le=1_000_000)
+    audit_checkpoint_interval: float = Field(default=10.0, gt=0, le=3600)
+    audit_max_bytes: int = Field(default=0, ge=0)
+    audit_hmac_key_names: bool = False  # key names as HMACs too (the salt is the deployment's)
+    audit_syslog: str | None = None  # "host:port": RFC 5424 over TCP, a second copy
     metrics: bool = True
     # Keys labelled in cryptd_key_operations_total; later keys count as key="_other".
     metrics_max_keys: int = Field(default=100, ge=0, le=100_000)
@@ -249,6 +259,19 @@ class Settings(SealSettings):
         if self.deletion_waiting_period is not None:
             return self.deletion_waiting_period
         return 0 if self.env == "development" else DEFAULT_DELETION_WAITING_PERIOD
+
+    def audit_fail_closed_value(self) -> bool:
+        if self.audit_fail_closed is not None:
+            return self.audit_fail_closed
+        return self.env == "production"
+
+    def audit_syslog_address(self) -> tuple[str, int] | None:
+        if not self.audit_syslog:
+            return None
+        host, _, port = self.audit_syslog.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("CRYPTD_AUDIT_SYSLOG must be host:port")
+        return host.strip("[]"), int(port)
 
     def docs_enabled(self) -> bool:
         return self.env == "development" if self.docs is None else self.docs

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service import __version__
 from service.api import docs, errors
+from service.api.auditing import audit_readiness, open_audit_trail
 from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
@@ -113,7 +114,12 @@ def create_app(
     (tests inject a fixed one to replay a known-answer vector); ``seal``: one already unsealed
     (service/api/sealed.py), else the one the settings name, unsealed here."""
     settings = settings or Settings()
-    logs = configure_logging(settings.log_level, settings.access_log, settings.audit_log)
+    # A file audit_log is the chained audit trail, built below once the keyring is open.
+    to_file = settings.audit_log not in ("stderr", "off")
+    logs = configure_logging(
+        settings.log_level, settings.access_log, "off" if to_file else settings.audit_log
+    )
+    audit = logs.audit
     metrics = Metrics(enabled=settings.metrics, max_keys=settings.metrics_max_keys)
     seal = seal or open_seal(settings)
     master_key = seal.unseal()
@@ -128,12 +134,14 @@ def create_app(
         expected_deployment=settings.keystore_id,
         min_auto_rotate_period=1 if settings.env == "development" else MIN_AUTO_ROTATE_PERIOD,
         deletion_waiting_period=settings.deletion_waiting_period_value(),
-        on_destroy=lambda name, date: logs.audit.record(
+        on_destroy=lambda name, date: audit.record(
             "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
         ),
         board=Board.in_directory(settings.runtime_dir),
     )
     manager.load()
+    if to_file:
+        audit = open_audit_trail(settings, manager, metrics.audit_write_failures)
     watcher = KeyringWatcher(manager, interval=settings.keyring_reload_interval)
 
     async def propagate(generation: int) -> Propagation:
@@ -194,7 +202,7 @@ def create_app(
         return True, server_detail
 
     async def audit_ready() -> tuple[bool, dict[str, Any]]:
-        return logs.audit.healthy(), {"enabled": logs.audit.enabled}
+        return audit_readiness(audit)
 
     async def usage_ready() -> tuple[bool, dict[str, Any]]:
         # Usage is informational: a usage store that cannot be written leaves the pod ready.
@@ -231,6 +239,11 @@ def create_app(
         if manager.has_due_work():
             await run_in_threadpool(manager.run_due)
 
+    def on_hangup(loop: asyncio.AbstractEventLoop) -> None:
+        # SIGHUP: reload the keyring, start a new audit file (the chain goes on in it).
+        loop.create_task(run_in_threadpool(manager.reload))
+        audit.rotate()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         for executor in by_kind.values():
@@ -255,9 +268,7 @@ def create_app(
         ]
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(
-                signal.SIGHUP, lambda: loop.create_task(run_in_threadpool(manager.reload))
-            )
+            loop.add_signal_handler(signal.SIGHUP, lambda: on_hangup(loop))
         try:
             # The lifespan state reaches the server's protocol: it counts the requests it
             # refuses itself (431, 408, malformed HTTP) with the other rejections.
@@ -281,6 +292,7 @@ def create_app(
             metrics.close()
             # Drain the writer threads; later lines (uvicorn's last ones) are written at once,
             # since a worker re-raising SIGTERM ends without running exit handlers.
+            audit.close()  # its last records, and a checkpoint over them
             for writer in logs.writers:
                 writer.close()
 
@@ -310,6 +322,7 @@ def create_app(
             on_overload=functools.partial(metrics.rejected, "overload"),
             cheap=cheap,
             costly=runner.sliced,
+            audit=audit,
         )
 
     services = Services(
@@ -318,7 +331,7 @@ def create_app(
         usage=usage,
         max_batch_items=settings.max_batch_items,
         readiness=readiness,
-        audit=logs.audit,
+        audit=audit,
         propagate=propagate,
     )
     app = Service(

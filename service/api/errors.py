@@ -37,6 +37,7 @@ STATUS: dict[str, int] = {
     "overloaded": 503,
     "keystore_unavailable": 503,
     "sealed": 503,
+    "audit_unavailable": 503,
     "internal": 500,
 }
 

@@ -14,7 +14,10 @@
      methods): ``app``, FastAPI's stack, with the body handed on; its routes apply the client
      policies (service/auth/policy.py);
 
-5. timing for the metrics and the access log, once, whatever the outcome; an unexpected error is
+5. the audit record of every ``/v1/`` request, authenticated or refused, made durable before
+   the answer's first byte (service/api/auditing.py; 503 ``audit_unavailable`` instead of an
+   answer whose record could not be written, when the audit fails closed);
+6. timing for the metrics and the access log, once, whatever the outcome; an unexpected error is
    logged by type and answered 500.
 
 The crypto operations skip FastAPI altogether: matched with one split, their headers read in
@@ -29,6 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
 from typing import Any
 
+from service.api.auditing import AuditedSend
 from service.api.errors import send_cryptd_error
 from service.api.timing import RequestTimer
 from service.asgi import (
@@ -47,6 +51,7 @@ from service.auth.authenticator import REFUSED, WANTED_HEADERS, Authenticator, a
 from service.auth.policy import is_protected
 from service.errors import CryptdError, Overloaded
 from service.errors import Sealed as SealedError
+from service.logs.audit import Audit
 from service.operations import OpName
 from service.pool import InFlight
 
@@ -84,6 +89,7 @@ class RequestPipeline:
         cheap: InFlight | None = None,
         costly: Callable[[str], bool] = lambda key: False,
         sealed: bool = False,
+        audit: Audit | None = None,
     ) -> None:
         """``app`` answers every request but the crypto operations. ``routes`` maps each
         operation to its FastAPI route (set as ``scope["route"]``; its path is the metrics'
@@ -94,9 +100,11 @@ class RequestPipeline:
         ``on_body_rejected("body_size")`` counts 413s. ``cheap`` counts the crypto requests in
         progress whose key is not ``costly(key)``: the ones costly work on the loop yields to
         (service/pool/sliced.py). ``sealed``: the pipeline of a server without its master key
-        (service/api/sealed.py): every /v1/ route but the seal's answers 503 ``sealed``."""
+        (service/api/sealed.py): every /v1/ route but the seal's answers 503 ``sealed``.
+        ``audit``: where every ``/v1/`` request's record goes."""
         self.app = app
         self.sealed = sealed
+        self.audit = audit if audit is not None and audit.enabled else None
         self.endpoint = endpoint
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
@@ -155,8 +163,16 @@ class RequestPipeline:
         if state is None:
             state = scope["state"] = {}
         state["request_id"] = request_id.decode()
+        if target is not None:
+            state["crypto_operation"] = operation  # names a refused one's audit record
         status = 500  # what the server answers when nothing was sent
         response_started = False
+        # Signed and audited: every /v1/ route but the seal's unsigned status.
+        protected = is_protected(scope) and not _unsigned(scope)
+        answer_to: Send = send
+        if self.audit is not None and protected:
+            # The record first, then the answer: every answer below passes the audit.
+            answer_to = AuditedSend(self.audit, scope, send, request_id)
 
         async def send_with_id(message: Any) -> None:
             # Every answer but the crypto 200 (written below) passes here and gets the id.
@@ -165,7 +181,7 @@ class RequestPipeline:
                 status = message["status"]
                 response_started = True
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
-            await send(message)
+            await answer_to(message)
 
         cheap = self.cheap
         if cheap is not None and target is not None and not self.costly(key):
@@ -187,9 +203,7 @@ class RequestPipeline:
             if body is None:  # the client went away
                 return
             authenticator = self.authenticator
-            if authenticator is not None and (
-                target is not None or (is_protected(scope) and not _unsigned(scope))
-            ):
+            if authenticator is not None and (target is not None or protected):
                 try:
                     await authenticator.authenticate(scope, headers, body)
                 except REFUSED as exc:
@@ -208,19 +222,22 @@ class RequestPipeline:
             except CryptdError as exc:
                 await send_cryptd_error(send_with_id, exc)
                 return
+            start: dict[str, Any] = {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    _CONTENT_TYPE,
+                    (b"content-length", str(len(answer)).encode()),
+                    (b"x-request-id", request_id),
+                ],
+            }
+            if answer_to is not send:
+                await send_with_id(start | {"headers": start["headers"][:2]})
+                await answer_to({"type": "http.response.body", "body": answer})
+                return
             status = 200
             response_started = True
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        _CONTENT_TYPE,
-                        (b"content-length", str(len(answer)).encode()),
-                        (b"x-request-id", request_id),
-                    ],
-                }
-            )
+            await send(start)
             await send({"type": "http.response.body", "body": answer})
         except Exception as exc:
             # Also what the app re-raises after answering 500: no traceback in the server log.
@@ -230,7 +247,11 @@ class RequestPipeline:
             )
             if not response_started:
                 await send_error(send_with_id, 500, "internal", "internal error")
+            elif isinstance(answer_to, AuditedSend):
+                await answer_to.abandon()
         finally:
+            if isinstance(answer_to, AuditedSend) and answer_to.replaced:
+                status = 503
             ended = perf_counter()
             if cheap is not None:
                 cheap.end(ended)

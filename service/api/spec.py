@@ -59,6 +59,8 @@ ERROR_CODES: Mapping[str, str] = {
     "management is refused, crypto keeps serving from memory",
     "sealed": "an operation that needs the seal while it is unavailable (the message says "
     "what to do); crypto keeps serving from the master key in memory",
+    "audit_unavailable": "the request's audit record could not be made durable and the audit "
+    "fails closed (CRYPTD_AUDIT_FAIL_CLOSED): nothing is answered without one (see Retry-After)",
     "internal": "an unexpected failure; never a stack trace, key or plaintext",
 }
 
@@ -72,6 +74,7 @@ SIGNED: tuple[str, ...] = (
     "payload_too_large",
     "rate_limited",
     "overloaded",
+    "audit_unavailable",
 )
 # A route with a {key} segment: the name is checked, the policy applied, the key looked up.
 KEYED: tuple[str, ...] = (*SIGNED, "forbidden", "key_not_found", "not_found")

@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "bench",
     "migrate",
     "completion",
+    "audit",
 )
 
 

@@ -1,35 +1,126 @@
 """The audit stream: who did what with which key and version, when, and how it ended.
 
-Its own destination when configured (a file opened append-only), never blocking on I/O, and
-never dropping a record: when the destination is stuck, the caller waits.
+Two destinations. A file (``CRYPTD_AUDIT_LOG=/path``) is the audit trail proper
+(:mod:`service.audit`): one hash-chained record per API request, durable before the request
+is answered, signed checkpoints under the keyring's ``cryptd:audit-signing`` key, sensitive
+values HMAC'd under ``cryptd:audit-hmac``. ``stderr`` shares the log stream: the same records,
+neither chained nor waited for (development, or a platform that ships stderr).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from service.audit import checkpoint, redact
+from service.audit.writer import AuditWriter
+from service.crypto.base import NO_OPTIONS
+from service.keys.manager import KeyManager
 from service.logs.fields import timestamp
 from service.logs.writer import LineWriter
 
 _SCALAR_VERSION = (int, type(None))  # a tuple: `int | None` would build a union per call
 
+# Request values an auditor may need to match but the log must not hold (their HMAC is kept).
+SENSITIVE = ("aad", "context", "signer_id")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One API request's record, captured on the event loop; turned into a line (HMACs and
+    all) on the writer thread. ``values``: the request's parsed items, read only for
+    :data:`SENSITIVE` fields."""
+
+    when: float
+    event: str
+    outcome: str
+    status: int
+    client: str | None
+    key: str | None
+    key_version: int | tuple[int, ...] | None
+    items: int
+    request_id: str | None
+    target_key: str | None = None
+    detail: Mapping[str, Any] | None = None
+    values: tuple[Any, ...] = ()
+    method: str | None = None
+    path: str | None = None
+
 
 class Audit:
     """Who did what with which key and version, when, and how it ended.
 
-    One line per key-management action and per decrypt/sign/rewrap request (a batch is one
-    line with its item count and the versions it used). Never blocks on I/O: lines go through
-    the writer thread. Only when ``max_pending`` lines are already waiting (the destination is
-    stuck) does a caller wait, rather than drop a record.
+    :meth:`commit` is the request path: one record per API request, awaited before the answer
+    leaves. :meth:`record` is for work no request waits on (the scheduler's destructions).
     """
 
-    def __init__(self, writer: LineWriter | None) -> None:
+    def __init__(
+        self,
+        writer: LineWriter | None,
+        *,
+        trail: AuditWriter | None = None,
+        fail_closed: bool = False,
+        mac: redact.Mac | None = None,
+        hash_key_names: bool = False,
+    ) -> None:
         self._writer = writer
-        self.enabled = writer is not None
+        self.trail = trail
+        self.enabled = writer is not None or trail is not None
+        self.fail_closed = fail_closed and trail is not None
+        self._mac = mac
+        self._hash_key_names = hash_key_names and mac is not None
+
+    @classmethod
+    def to_file(
+        cls,
+        path: str,
+        manager: KeyManager,
+        *,
+        index: int = 0,
+        fail_closed: bool = True,
+        hash_key_names: bool = False,
+        checkpoint_every: int = 1000,
+        checkpoint_interval: float = 10.0,
+        max_bytes: int = 0,
+        on_failure: Any = None,
+        secondary: Any = None,
+    ) -> Audit:
+        """The audit trail in ``path`` (this worker's stream), its keys made on first use."""
+        manager.ensure_internal_key(checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE)
+        audit = cls(
+            None,
+            fail_closed=fail_closed,
+            mac=keyring_mac(manager),
+            hash_key_names=hash_key_names,
+        )
+        audit.trail = AuditWriter(
+            path,
+            index=index,
+            format=audit.fields,
+            signer=keyring_signer(manager),
+            checkpoint_every=checkpoint_every,
+            checkpoint_interval=checkpoint_interval,
+            max_bytes=max_bytes,
+            on_failure=on_failure or (lambda lost: None),
+            secondary=secondary,
+        )
+        audit.enabled = True
+        audit.fail_closed = fail_closed
+        return audit
+
+    async def commit(self, record: RequestRecord) -> bool:
+        """True once ``record`` is durable (at once for stderr); False when it could not be
+        written (the caller refuses the request when :attr:`fail_closed`)."""
+        trail = self.trail
+        if trail is not None:
+            return await trail.commit(record)
+        if self._writer is not None:
+            self._writer.write((self._stderr_line, (record,)), wait=True)
+        return True
 
     def record(
         self,
@@ -44,26 +135,122 @@ class Audit:
         target_key: str | None = None,
         detail: Mapping[str, Any] | None = None,
     ) -> None:
-        """``event``: decrypt, sign, rewrap, key.create, key.rotate, key.update, key.state,
-        key.delete, key.cancel_deletion, key.destroy, …
-        ``outcome``: ok, error, partial (some batch items failed), denied, scheduled (a
-        deletion with a waiting period), or an error code. ``detail``: fields of the event
-        (a state change's ``state`` and ``previous_state``, a ``deletion_date``)."""
+        """A record no request waits on. ``event``: key.destroy, or a request's event;
+        ``outcome``: ok, error, partial (some batch items failed), scheduled (a deletion
+        with a waiting period), or the error code of a refusal (``forbidden``,
+        ``unauthenticated``, ...). ``detail``: fields of the event (a state change's
+        ``state`` and ``previous_state``, a ``deletion_date``)."""
+        if not isinstance(key_version, _SCALAR_VERSION):
+            key_version = tuple(sorted(set(key_version)))
+        trail = self.trail
+        if trail is not None:
+            when = time.time()
+            captured = (when, event, outcome, 0, client, key, key_version, items, request_id)
+            trail.submit(RequestRecord(*captured, target_key, detail))
+            return
         writer = self._writer
         if writer is None:
             return
-        if not isinstance(key_version, _SCALAR_VERSION):
-            key_version = tuple(sorted(set(key_version)))
         fields = (time.time(), event, outcome, client, key, key_version, items, request_id)
         writer.write((_format_audit, (*fields, target_key, detail)), wait=True)
 
+    def fields(self, record: RequestRecord) -> dict[str, Any]:
+        """The record's line fields (after ``seq`` and ``prev``): identifiers and outcomes in
+        clear, sensitive values as HMACs, never a value of the request's payload."""
+        key, target, path = record.key, record.target_key, record.path
+        mac = self._mac
+        if self._hash_key_names and mac is not None:
+            key = None if key is None else redact.hashed(mac, key)
+            target = None if target is None else redact.hashed(mac, target)
+            path = None if path is None else redact.hashed(mac, path)
+        version = record.key_version
+        line: dict[str, Any] = {
+            "ts": timestamp(record.when),
+            "event": record.event,
+            "outcome": record.outcome,
+            "status": record.status or None,
+            "client": record.client,
+            "key": key,
+            "key_version": list(version) if isinstance(version, tuple) else version,
+            "items": record.items,
+            "request_id": record.request_id,
+        }
+        if target is not None:
+            line["target_key"] = target
+        if record.method is not None:
+            line["method"] = record.method
+            line["path"] = path
+        if record.detail:
+            line.update({k: v for k, v in record.detail.items() if k not in line})
+        if record.values and mac is not None:
+            line.update(_sensitive(mac, record.values))
+        return line
+
+    def _stderr_line(self, fields: tuple[Any, ...]) -> bytes:
+        line = {"level": "info", "logger": "cryptd.audit", "msg": "audit"}
+        line.update(self.fields(fields[0]))
+        return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+
     def healthy(self) -> bool:
-        """False once a write to the audit destination failed (for the readiness probe)."""
+        """False while records cannot be written (for the readiness probe)."""
+        if self.trail is not None:
+            return self.trail.healthy()
         return self._writer is None or self._writer.failed_writes == 0
 
+    def reason(self) -> str | None:
+        """Why records cannot be written, for /readyz; None while they can."""
+        if self.trail is not None:
+            return self.trail.error
+        return None if self.healthy() else "audit destination not writable"
+
+    def rotate(self) -> None:
+        if self.trail is not None:
+            self.trail.rotate()
+
     def flush(self, timeout: float = 5.0) -> None:
-        if self._writer is not None:
+        if self.trail is not None:
+            self.trail.flush(timeout)
+        elif self._writer is not None:
             self._writer.flush(timeout)
+
+    def close(self) -> None:
+        if self.trail is not None:
+            self.trail.close()
+
+
+def _sensitive(mac: redact.Mac, values: tuple[Any, ...]) -> dict[str, list[str]]:
+    found: dict[str, list[bytes]] = {}
+    for item in values:
+        aad = getattr(item, "aad", b"")
+        if aad:
+            found.setdefault("aad", []).append(aad)
+        context = getattr(item, "context", None)
+        if context is not None:
+            found.setdefault("context", []).append(context)
+        options = getattr(item, "options", NO_OPTIONS)
+        signer_id = getattr(options, "signer_id", None)
+        if signer_id is not None:
+            found.setdefault("signer_id", []).append(signer_id)
+    return {name: redact.hashed_all(mac, found[name]) for name in SENSITIVE if name in found}
+
+
+def keyring_signer(manager: KeyManager) -> checkpoint.Signer:
+    """Checkpoints signed by the latest version of ``cryptd:audit-signing`` (Ed25519, made on
+    first use; internal keys are never exported, listed or used by a client)."""
+
+    def sign(payload: bytes) -> tuple[int, bytes]:
+        key = manager.ensure_internal_key(checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE)
+        version = key.version()
+        return version.version, version.handle.sign(payload, prehashed=False, options=NO_OPTIONS)
+
+    return sign
+
+
+def keyring_mac(manager: KeyManager) -> redact.Mac:
+    """HMAC-SHA256 under ``cryptd:audit-hmac``: one salt for every replica of a deployment."""
+    key = manager.ensure_internal_key(redact.HMAC_KEY, redact.HMAC_KEY_TYPE)
+    handle = key.version(1).handle
+    return handle.mac
 
 
 def _format_audit(fields: tuple[Any, ...]) -> bytes:

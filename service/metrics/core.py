@@ -197,6 +197,11 @@ class Metrics:
         if self.enabled:
             self._child(self._families.usage_flushes, "ok" if ok else "error").inc()
 
+    def audit_write_failures(self, lost: int) -> None:
+        """``lost`` audit records not written (called from the audit writer's thread)."""
+        if self.enabled:
+            self._families.audit_write_failures.inc(lost)
+
     def key_change_propagated(self, seconds: float, complete: bool) -> None:
         if self.enabled:
             outcome = "confirmed" if complete else "incomplete"

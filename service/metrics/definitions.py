@@ -35,6 +35,7 @@ REJECTIONS = "cryptd_rejections"
 KEYRING_RELOADS = "cryptd_keyring_reloads"
 KEY_OPERATIONS = "cryptd_key_operations"  # exported as cryptd_key_operations_total
 USAGE_FLUSHES = "cryptd_usage_flushes"
+AUDIT_WRITE_FAILURES = "cryptd_audit_write_failures"  # exported with _total
 KEY_CHANGE_PROPAGATION = "cryptd_key_change_propagation_seconds"
 BUILD_INFO = "cryptd_build_info"
 
@@ -65,6 +66,7 @@ class Families:
     keyring_reloads: Counter
     key_operations: Counter
     usage_flushes: Counter
+    audit_write_failures: Counter
     key_change_propagation: Histogram
 
 
@@ -142,6 +144,12 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             USAGE_FLUSHES,
             "Writes of the usage counts to the usage store, by outcome (ok, error).",
             ("outcome",),
+            registry=registry,
+        ),
+        audit_write_failures=Counter(
+            AUDIT_WRITE_FAILURES,
+            "Audit records that could not be made durable (each one's request was refused 503"
+            " audit_unavailable when the audit fails closed).",
             registry=registry,
         ),
         key_change_propagation=Histogram(

@@ -17,7 +17,7 @@ from service.api.items import PARSERS
 from service.api.schemas import parse_json_object
 from service.asgi import Scope
 from service.auth.clients import Client
-from service.auth.policy import STATE_KEY, authorize, client_from_scope
+from service.auth.policy import authorize, client_from_scope
 from service.errors import CryptdError, InvalidRequest, PayloadTooLarge
 from service.keys.keyring import check_key_name
 from service.operations import Item, OpName, Outcome, RewrapItem, error_entry, translate
@@ -34,8 +34,6 @@ OPERATIONS: tuple[OpName, ...] = (
     "hmac",
 )
 BATCHABLE: tuple[OpName, ...] = OPERATIONS
-# Operations that reveal plaintext or commit a key to a statement: one audit line per request.
-AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey", "hmac"})
 
 
 def json_response(
@@ -55,48 +53,21 @@ def _check_to_key(scope: Scope, client: Client, item: Item) -> None:
 
 async def handle(services: Services, scope: Scope, body: bytes, op: OpName, key: str) -> bytes:
     """The whole operation on an authenticated request whose body is ``body`` (policy,
-    body, runner, audit): the JSON body of the 200 answer. Raises CryptdError for the error
-    model. Request-scoped fields for the logs go to ``scope["state"]``."""
-    if op not in AUDITED:
-        return orjson.dumps(await _execute(services, scope, body, op, key))
-    try:
-        result = await _execute(services, scope, body, op, key)
-    except CryptdError as exc:
-        _audit(services, scope, op, key, exc.code, None, 1)
-        raise
+    body, runner): the JSON body of the 200 answer. Raises CryptdError for the error model.
+    Request-scoped fields for the logs and the request's audit record (written by the
+    pipeline, service/api/auditing.py) go to ``scope["state"]``."""
+    result = await _execute(services, scope, body, op, key)
     entries = result.get("batch")
-    if entries is None:  # one item, and it succeeded: a failing one raised above
-        versions = [result["key_version"]] if "key_version" in result else []
-        _audit(services, scope, op, key, "ok", versions, 1)
-        return orjson.dumps(result)
-    failures = sum("error" in entry for entry in entries)
-    outcome = "ok" if failures == 0 else ("error" if failures == len(entries) else "partial")
-    versions = [e["key_version"] for e in entries if "key_version" in e]
-    _audit(services, scope, op, key, outcome, versions, len(entries))
+    if entries is not None:
+        state = scope["state"]
+        failures = sum("error" in entry for entry in entries)
+        if failures:
+            state["audit_outcome"] = "error" if failures == len(entries) else "partial"
+        state["key_version"] = tuple(
+            sorted({e["key_version"] for e in entries if "key_version" in e})
+        )
+        state["audit_items"] = len(entries)
     return orjson.dumps(result)
-
-
-def _audit(
-    services: Services,
-    scope: Scope,
-    op: OpName,
-    key: str,
-    outcome: str,
-    versions: list[int] | None,
-    items: int,
-) -> None:
-    state = scope.get("state", {})
-    client = state.get(STATE_KEY)
-    services.audit.record(
-        op,
-        client=getattr(client, "client_id", None),
-        key=key,
-        outcome=outcome,
-        key_version=versions[0] if versions and len(versions) == 1 else versions,
-        request_id=state.get("request_id"),
-        items=items,
-        target_key=state.get("to_key") if op == "rewrap" else None,
-    )
 
 
 async def _execute(
@@ -113,6 +84,7 @@ async def _execute(
 
     if "batch" not in document or op not in BATCHABLE:
         item = parse(document)
+        state["audit_values"] = (item,)  # its AAD, context, signer id: HMAC'd in the record
         _check_to_key(scope, client, item)
         (outcome,) = await services.runner.run(op, key, [item])
         if isinstance(outcome, CryptdError):
@@ -142,6 +114,7 @@ async def _execute(
             continue
         good.append(item)
         positions.append(index)
+    state["audit_values"] = tuple(good)
     for index, outcome in zip(positions, await services.runner.run(op, key, good), strict=True):
         outcomes[index] = outcome
     return {

@@ -39,12 +39,16 @@ async def readyz(request: Request) -> Response:
     if keys.store_unreachable is not None:
         keyring_check["store_unreachable"] = keys.store_unreachable
     checks["keyring"] = keyring_check
+    reasons: list[str] = []
     for name, check in services.readiness:
         ok, detail = await check()
         checks[name] = {"ok": ok, **detail}
         ready = ready and ok
+        if not ok:  # a check says why it fails ("reason"): the body names them all
+            reasons.append(str(detail.get("reason") or f"{name} not ready"))
     status = "ready" if ready else "not_ready"
     degraded = any(check.get("degraded") for check in checks.values())
     if ready and (keys.store_error is not None or degraded):
         status = "degraded"
-    return json_response({"status": status, "checks": checks}, status=200 if ready else 503)
+    body = {"status": status, "reasons": reasons, "checks": checks}
+    return json_response(body, status=200 if ready else 503)

@@ -14,7 +14,6 @@ from starlette.responses import Response
 from service.api import deps
 from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, ImportKeyRequest, parse_model, parse_update
-from service.errors import CryptdError
 from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
 from service.keys.manager import KeyManager
 from service.keys.propagation import HEADER
@@ -35,20 +34,20 @@ def _not_reserved(key: str) -> None:
 def _audit(
     request: Request,
     event: str,
-    key: str,
-    outcome: str,
-    version: int | None,
+    outcome: str | None = None,
+    version: int | None = None,
     detail: Mapping[str, Any] | None = None,
 ) -> None:
-    deps.services(request).audit.record(
-        f"key.{event}",
-        client=deps.client_id(request),
-        key=key,
-        outcome=outcome,
-        key_version=version,
-        request_id=request.scope.get("state", {}).get("request_id"),
-        detail=detail,
-    )
+    """What this request's audit record says (the pipeline writes it, one per request,
+    before the answer leaves): ``key.<event>``, and on success its outcome and version."""
+    fields: dict[str, Any] = {"audit_event": f"key.{event}"}
+    if outcome is not None:
+        fields["audit_outcome"] = outcome
+    if version is not None:
+        fields["key_version"] = version
+    if detail:
+        fields["audit_detail"] = detail
+    deps.note(request, **fields)
 
 
 class Managed(NamedTuple):
@@ -73,23 +72,21 @@ async def manage(
     changes: bool = True,
 ) -> Managed:
     """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
-    the file write fsyncs) and audit it, whatever the outcome. ``outcome(result)`` gives the
-    audit line's outcome and detail (default: ok, none).
+    the file write fsyncs), naming it in the request's audit record (written whatever the
+    outcome, by the pipeline). ``outcome(result)`` gives the record's outcome and detail
+    (default: ok, none).
 
     A change (``changes``) is in force on every worker of this host once it returns (the
     board); the answer then waits, at most CRYPTD_PROPAGATION_TIMEOUT, for the other
     replicas to enforce it too, and says how far it got (``X-Cryptd-Propagation``)."""
     check_key_name(key)
     deps.note(request, key=key, operation=event)
+    _audit(request, event)
     services = deps.services(request)
-    try:
-        deps.require_admin(request)
-        result = await run_in_threadpool(change)
-    except CryptdError as exc:
-        _audit(request, event, key, exc.code, None)
-        raise
+    deps.require_admin(request)
+    result = await run_in_threadpool(change)
     status, detail = ("ok", None) if outcome is None else outcome(result)
-    _audit(request, event, key, status, None if result is None else result.latest_version, detail)
+    _audit(request, event, status, None if result is None else result.latest_version, detail)
     if not changes:
         return Managed(result, {})
     report = await services.propagate(services.keys.keyring.generation)
@@ -117,7 +114,7 @@ async def list_keys(request: Request) -> Response:
 @router.get("/{key}")
 async def describe_key(request: Request, key: str) -> Response:
     check_key_name(key)
-    deps.note(request, key=key, operation="read")
+    deps.note(request, key=key, operation="read", audit_event="key.read")
     deps.authorize(request, key, "read")
     services = deps.services(request)
     _, found = await services.runner.key(key)
@@ -207,10 +204,9 @@ async def update_key(request: Request, key: str) -> Response:
     managed = await manage(request, "update", key, change)
     updated = managed.found
     if previous and previous[0] != updated.state:
-        _audit(
+        _audit(  # the request's one record names the state change
             request,
             "state",
-            key,
             "ok",
             updated.latest_version,
             {"state": updated.state, "previous_state": previous[0]},

@@ -1,0 +1,198 @@
+"""What the audit trail costs: AES-GCM encrypt throughput with the trail fail-closed against
+the audit off, in one run. ``python -m loadtest.audit_cost``.
+
+Two ``cryptd serve --dev`` servers (one worker each) on the server CPUs of the pinned topology
+(loadtest/plan.py; wrk on the others): one with ``CRYPTD_AUDIT_LOG=off``, one with a chained
+audit file, ``CRYPTD_AUDIT_FAIL_CLOSED=true`` (every answer waits for its record's group
+``fdatasync``). wrk drives signed ``aes-encrypt`` requests at each in turn, alternating round by
+round so drift on the machine hits both alike; the cost is ``1 - audited / off`` of the median
+per-round ratio of requests per second per server core (goal: at most 10 %). The audit file
+is put where ``--audit-dir`` says (default: a temporary directory; use the disk production
+would). At the end the trail is proved with ``cryptd audit verify`` and its records counted
+against the requests answered.
+
+The report (JSON) goes to ``loadtest/results/``; the summary is printed. Run it on a quiet
+machine: never in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.measure import Measurement, run_wrk
+from loadtest.phase import describe, rsa_sign_us
+from loadtest.plan import Topology, make_topology
+from loadtest.targets import Cryptd
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL = 0.10  # the most the trail may cost of AES-GCM encrypt throughput per core
+
+
+@dataclass
+class Round:
+    off_ops: float
+    audited_ops: float
+
+    @property
+    def ratio(self) -> float:
+        return self.audited_ops / self.off_ops if self.off_ops else float("nan")
+
+
+@dataclass
+class Report:
+    topology: str
+    phase: str
+    rounds: list[Round] = field(default_factory=list)
+    audited_requests: int = 0
+    records: int = 0
+    verify_exit: int | None = None
+    verify_output: str = ""
+
+    @property
+    def cost(self) -> float:
+        """1 - the median per-round throughput ratio (audited over off)."""
+        return 1 - statistics.median(r.ratio for r in self.rounds)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "rounds"},
+            "rounds": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in self.rounds],
+            "cost": round(self.cost, 4),
+            "goal": GOAL,
+            "met": self.cost <= GOAL and self.verify_exit == 0,
+        }
+
+
+def per_core(measurement: Measurement, cores: int) -> float:
+    if measurement.errors:
+        raise RuntimeError(f"{measurement.errors} requests failed during a round")
+    return measurement.requests / measurement.seconds / cores
+
+
+def audit_env(directory: Path) -> dict[str, str]:
+    return {"CRYPTD_AUDIT_LOG": str(directory / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"}
+
+
+def audit_files(directory: Path) -> list[str]:
+    return sorted(str(p) for p in directory.iterdir() if p.name.startswith("audit.log"))
+
+
+def count_records(files: Sequence[str], event: str = "encrypt") -> int:
+    count = 0
+    for name in files:
+        for line in Path(name).read_bytes().splitlines():
+            count += orjson.loads(line).get("event") == event
+    return count
+
+
+def verify_trail(server: Cryptd, files: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    dev = server.directory / "dev"
+    command = [sys.executable, "-m", "service", "audit", "verify", *files]
+    command += [
+        "--keyring",
+        str(dev / "keyring.json"),
+        "--master-key-file",
+        str(dev / "master.key"),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+def measure(
+    topology: Topology, rounds: int, duration: float, connections: int, audit_dir: Path, work: Path
+) -> Report:
+    report = Report(topology.summary(), describe(rsa_sign_us()))
+    cpus = topology.server_cpus
+    off = Cryptd(work / "off", env={"CRYPTD_AUDIT_LOG": "off"}, cpus=cpus, name="audit-off")
+    audited = Cryptd(work / "audited", env=audit_env(audit_dir), cpus=cpus, name="audited")
+    servers = (off, audited)
+    try:
+        for server in servers:
+            server.start()
+        if topology.pinned:
+            os.sched_setaffinity(0, topology.client)  # wrk, our child, inherits it
+        for number in range(rounds):
+            figures: dict[str, float] = {}
+            # Alternate which goes first, so a trend within the round favours neither.
+            for server in servers if number % 2 == 0 else reversed(servers):
+                measured = run_wrk(
+                    "cryptd.lua",
+                    server.url,
+                    ["aes-encrypt"],
+                    connections=connections,
+                    duration=duration,
+                    env={"CRYPTD_CREDENTIALS": str(server.credentials)},
+                    server_pid=server.pid,
+                )
+                figures[server.name] = per_core(measured, topology.server_cores)
+                if server is audited:
+                    report.audited_requests += measured.requests
+            report.rounds.append(Round(figures["audit-off"], figures["audited"]))
+            print(
+                f"round {number + 1}/{rounds}: off {figures['audit-off']:,.0f}/s per core,"
+                f" audited {figures['audited']:,.0f}/s ({report.rounds[-1].ratio:.3f})",
+                file=sys.stderr,
+            )
+    finally:
+        for server in servers:
+            server.stop()
+    files = audit_files(audit_dir)
+    report.records = count_records(files)
+    checked = verify_trail(audited, files)
+    report.verify_exit = checked.returncode
+    report.verify_output = (checked.stdout + checked.stderr).strip()[-2000:]
+    return report
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.audit_cost", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=6, help="alternations (default 6)")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    parser.add_argument("--connections", type=int, default=16, help="wrk connections")
+    parser.add_argument("--audit-dir", type=Path, help="where the audit file goes")
+    parser.add_argument("--shared-cores", action="store_true", help="no pinning")
+    parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
+    parser.add_argument("--server-cpus", help="CPUs of the servers (default: the rest)")
+    parser.add_argument("--out", type=Path, help="the JSON report (default: loadtest/results/)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.duration <= 0 or args.connections < 1:
+        parser.error("--rounds, --duration and --connections must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    topology = make_topology(args)
+    with tempfile.TemporaryDirectory(prefix="cryptd-audit-cost-") as scratch:
+        work = Path(scratch)
+        audit_dir = args.audit_dir or work / "audit"
+        audit_dir.mkdir(parents=True, exist_ok=True)
+        report = measure(topology, args.rounds, args.duration, args.connections, audit_dir, work)
+    summary = report.summary()
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    out = args.out or RESULTS / f"audit-cost-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print(
+        f"{report.topology}; {report.phase}\n"
+        f"audit fail-closed costs {report.cost:.1%} of AES-GCM encrypt throughput per core"
+        f" (goal <= {GOAL:.0%}); {report.records} encrypt records for"
+        f" {report.audited_requests} requests answered; verify exit {report.verify_exit}\n"
+        f"report: {out}"
+    )
+    return 0 if summary["met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

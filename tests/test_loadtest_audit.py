@@ -1,0 +1,50 @@
+"""The audit-cost benchmark (``python -m loadtest.audit_cost``): its arithmetic, its options,
+and one tiny run end to end (two servers, wrk, the trail verified). Never a timed test: the
+figures of the smoke run are not judged, only that every part works."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from loadtest.audit_cost import GOAL, Report, Round, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_cost_is_one_minus_the_median_ratio() -> None:
+    report = Report("pinned", "fast")
+    report.rounds = [Round(1000, 950), Round(1000, 800), Round(1000, 900)]
+    assert report.cost == pytest.approx(0.10)
+    report.verify_exit = 0
+    assert report.summary()["met"] is (report.cost <= GOAL)
+    report.verify_exit = 1  # a trail that does not verify fails the goal whatever the speed
+    assert report.summary()["met"] is False
+
+
+def test_options_are_checked() -> None:
+    assert parse_args([]).rounds == 6
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+
+
+@pytest.mark.slow
+def test_a_tiny_run_end_to_end(tmp_path: Path) -> None:
+    if shutil.which("wrk") is None:
+        pytest.fail("wrk is not installed (apt-get install -y wrk)")
+    out = tmp_path / "report.json"
+    command = [sys.executable, "-m", "loadtest.audit_cost", "--rounds", "1", "--duration", "1"]
+    command += ["--connections", "2", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: goal missed on a busy machine
+    report = orjson.loads(out.read_bytes())
+    assert len(report["rounds"]) == 1
+    assert report["rounds"][0]["off_ops"] > 0
+    assert report["rounds"][0]["audited_ops"] > 0
+    assert report["verify_exit"] == 0, report["verify_output"]
+    assert report["records"] >= report["audited_requests"] > 0
