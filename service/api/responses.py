@@ -57,6 +57,20 @@ class HmacResponse(_Answer):
     key_version: Version
 
 
+class EncapsulateResponse(_Answer):
+    ciphertext: Base64 = Field(description="The KEM ciphertext (FIPS 203 bytes).")
+    shared_secret: Base64 = Field(description="The 32-byte shared secret.")
+    key_version: Version
+
+
+class DecapsulateResponse(_Answer):
+    shared_secret: Base64 = Field(
+        description="The 32-byte shared secret. A ciphertext made for another key gives another "
+        "secret (ML-KEM's implicit rejection), never an error."
+    )
+    key_version: Version
+
+
 class RandomResponse(_Answer):
     random: Base64
 
@@ -145,6 +159,8 @@ class OperationCounts(_Answer):
     datakey: Count
     rewrap_from: Count
     rewrap_to: Count
+    encapsulate: Count
+    decapsulate: Count
 
 
 class VersionUsage(_Answer):

@@ -144,6 +144,18 @@ ROUTES: tuple[Route, ...] = (
         "datakey", "A fresh data key, and the same key wrapped", s.DatakeyRequest, r.DatakeyResponse
     ),
     _crypto("hmac", "HMAC of a message (HMAC keys)", s.HmacRequest, r.HmacResponse),
+    _crypto(
+        "encapsulate",
+        "A fresh shared secret and its ML-KEM ciphertext (ML-KEM keys)",
+        s.EncapsulateRequest,
+        r.EncapsulateResponse,
+    ),
+    _crypto(
+        "decapsulate",
+        "The shared secret of an ML-KEM ciphertext (ML-KEM keys)",
+        s.DecapsulateRequest,
+        r.DecapsulateResponse,
+    ),
     Route("POST", "/v1/random", "random", "Random bytes from the OS CSPRNG", s.RandomRequest,
           {200: r.RandomResponse}, (*SIGNED, "forbidden", *BODY)),
     # keys

@@ -1,5 +1,5 @@
-"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey,hmac}/{key}: single item or batch, one
-path."""
+"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey,hmac,encapsulate,decapsulate}/{key}:
+single item or batch, one path."""
 
 from __future__ import annotations
 
@@ -32,10 +32,15 @@ OPERATIONS: tuple[OpName, ...] = (
     "rewrap",
     "datakey",
     "hmac",
+    "encapsulate",
+    "decapsulate",
 )
 BATCHABLE: tuple[OpName, ...] = OPERATIONS
-# Operations that reveal plaintext or commit a key to a statement: one audit line per request.
-AUDITED: frozenset[OpName] = frozenset({"decrypt", "sign", "rewrap", "datakey", "hmac"})
+# Operations that reveal plaintext or a secret, or commit a key to a statement: one audit line
+# per request.
+AUDITED: frozenset[OpName] = frozenset(
+    {"decrypt", "sign", "rewrap", "datakey", "hmac", "encapsulate", "decapsulate"}
+)
 
 
 def json_response(
