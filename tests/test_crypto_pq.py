@@ -9,6 +9,7 @@ form), mldsa65_noseed_priv.der (PKCS#8 expanded form only).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -334,3 +335,19 @@ def test_handles_refuse_pickling() -> None:
         assert isinstance(handle, MlDsaKey | HpkeKey)
         with pytest.raises(TypeError):
             pickle.dumps(handle)
+
+
+def test_format_md_xwing_vector_opens() -> None:
+    """docs/FORMAT.md's X-Wing token opens under its seed with its aad, and nothing else."""
+    document = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    block = document.split("<!-- xwing-token -->\n```\n", 1)[1].split("\n```", 1)[0]
+    text = "".join(block.split())
+    prefix, version, encoded = text.split(":")
+    assert (prefix, version) == ("cryptd", "v1")
+    data = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    assert data[:2] == bytes([1, 19])
+    handle = load("x25519-ml-kem-768", bytes(range(32)))
+    assert (handle.public_key_raw() or "").startswith("6f54098a0a0e6411")
+    assert handle.decrypt(data[2:], b"order:17") == b"post-quantum"
+    with pytest.raises(InvalidCiphertext):
+        handle.decrypt(data[2:], b"")

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import mldsa
 from dilithium_py.ml_dsa import ML_DSA_44, ML_DSA_65, ML_DSA_87
 from kyber_py.ml_kem import ML_KEM_768, ML_KEM_1024
 
+from service.cli import main
 from tests.conftest import Server
 from tests.test_api import assert_error
 from tests.test_api_parity import add_client
@@ -411,3 +412,46 @@ def test_seed_of_the_wrong_size_is_400_and_stores_nothing(
     name = f"pq-wrong-{type_name}-{size}"
     assert_error(import_key(server, name, type_name, os.urandom(size)), 400, "invalid_request")
     assert_error(server.request("GET", f"/v1/keys/{name}"), 404, "key_not_found")
+
+
+def test_cli_signs_with_a_context_and_an_external_mu(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok(server.request("POST", "/v1/keys/pq-cli", {"type": "ml-dsa-65"}), 201)
+    public = mldsa_public(server, "pq-cli")
+    cred = ["--credential", str(server.directory / "dev" / "client.json")]
+
+    def call(*args: str) -> tuple[int, Any]:
+        status = main(["call", *args, *cred])
+        out = capsys.readouterr().out
+        return status, json.loads(out) if out.strip() else None
+
+    status, signed = call("sign", "pq-cli", "--data", "hello", "--context", "app:v1")
+    assert status == 0
+    signature = unb64(signed["signature"])
+    assert ML_DSA_65.verify(public, b"hello", signature, ctx=b"app:v1")
+    assert (
+        call(
+            "verify",
+            "pq-cli",
+            "--data",
+            "hello",
+            "--context",
+            "app:v1",
+            "--signature",
+            signed["signature"],
+        )[0]
+        == 0
+    )
+    assert call("verify", "pq-cli", "--data", "hello", "--signature", signed["signature"]) == (
+        1,
+        {"valid": False},
+    )
+    mu = ML_DSA_65.prehash_external_mu(public, b"hello", ctx=b"app:v1")
+    mu_file = server.directory / "pq-cli.mu"
+    mu_file.write_bytes(mu)
+    status, by_mu = call(
+        "sign", "pq-cli", "--data-file", str(mu_file), "--message-type", "external_mu"
+    )
+    assert status == 0
+    assert ML_DSA_65.verify(public, b"hello", unb64(by_mu["signature"]), ctx=b"app:v1")
