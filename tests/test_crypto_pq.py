@@ -216,8 +216,8 @@ def test_mlkem_known_answers(type_name: str) -> None:
         assert handle.decapsulate(bytes.fromhex(case["ct_n"])).hex() == case["ss_n"]
 
 
-@pytest.mark.parametrize("type_name", ["ml-kem-768", "ml-kem-1024"])
-def test_mlkem_encapsulates_and_refuses_wrong_lengths(type_name: str) -> None:
+@pytest.mark.parametrize("type_name", KEM_TYPES)
+def test_kem_encapsulates_and_refuses_wrong_lengths(type_name: str) -> None:
     handle = load(type_name, KEY_TYPES[type_name].generate())
     ciphertext, secret = handle.encapsulate()
     assert len(ciphertext) == ENC_SIZES[type_name]
@@ -230,10 +230,35 @@ def test_mlkem_encapsulates_and_refuses_wrong_lengths(type_name: str) -> None:
             handle.decapsulate(bad)
 
 
-def test_xwing_has_no_raw_encapsulation() -> None:
+def test_xwing_has_no_spki_but_its_raw_key() -> None:
     handle = load("x25519-ml-kem-768", KEY_TYPES["x25519-ml-kem-768"].generate())
-    assert not KEY_TYPES["x25519-ml-kem-768"].supports("encapsulate")
     assert handle.public_key_pem() is None  # no SPKI; public_key_raw is the HPKE key
+    assert len(bytes.fromhex(handle.public_key_raw() or "")) == 1216
+
+
+@pytest.mark.parametrize("vector", HPKE, ids=lambda v: f"kem{v['kem_id']:04x}")
+def test_kem_decapsulates_the_hpke_vectors_enc(vector: dict[str, Any]) -> None:
+    """The vectors' enc decapsulates to their KEM shared_secret under skRm: FIPS 203 for
+    ML-KEM, and cryptd's X-Wing combiner (service/crypto/xwing.py) for 0x647a."""
+    _, type_name = KEMS[vector["kem_id"]]
+    handle = load(type_name, bytes.fromhex(vector["skRm"]))
+    assert handle.decapsulate(bytes.fromhex(vector["enc"])).hex() == vector["shared_secret"]
+
+
+def test_xwing_encapsulates_and_refuses_bad_ciphertexts() -> None:
+    handle = load("x25519-ml-kem-768", KEY_TYPES["x25519-ml-kem-768"].generate())
+    ciphertext, secret = handle.encapsulate()
+    assert len(ciphertext) == 1120
+    assert handle.decapsulate(ciphertext) == secret
+    assert handle.encapsulate()[1] != secret
+    # Another X25519 part: another secret; a small-order one (here zero): refused.
+    changed = ciphertext[:-1] + bytes([ciphertext[-1] ^ 1])
+    assert handle.decapsulate(changed) != secret
+    with pytest.raises(InvalidOptions, match="small order"):
+        handle.decapsulate(ciphertext[:1088] + bytes(32))
+    for bad in (ciphertext[:-1], ciphertext + b"\x00", ciphertext[:1088]):
+        with pytest.raises(InvalidOptions, match="1120 bytes"):
+            handle.decapsulate(bad)
 
 
 @pytest.mark.parametrize("vector", HPKE, ids=lambda v: f"kem{v['kem_id']:04x}")

@@ -384,15 +384,44 @@ def test_encapsulation_policy_and_key_types(server: Server) -> None:
         server.request("POST", "/v1/decapsulate/pq-pol-kem", {"ciphertext": made["ciphertext"]})
     )
     assert mine["shared_secret"] == made["shared_secret"]
-    for name in ("pq-pol-xwing", "pq-pol-aes"):
-        for op, body in (("encapsulate", {}), ("decapsulate", {"ciphertext": made["ciphertext"]})):
-            assert_error(server.request("POST", f"/v1/{op}/{name}", body), 400, "invalid_request")
+    for op, body in (("encapsulate", {}), ("decapsulate", {"ciphertext": made["ciphertext"]})):
+        assert_error(server.request("POST", f"/v1/{op}/pq-pol-aes", body), 400, "invalid_request")
+    # An ML-KEM-768 ciphertext is too short for X-Wing (1,120 bytes): 400.
+    wrong = server.request(
+        "POST", "/v1/decapsulate/pq-pol-xwing", {"ciphertext": made["ciphertext"]}
+    )
+    assert_error(wrong, 400, "invalid_request")
     assert_error(
         server.request("POST", "/v1/encapsulate/pq-pol-kem", {"x": 1}), 422, "invalid_request"
     )
     usage = versions(server, "pq-pol-kem")[0]["usage"]["operations"]
     assert usage["encapsulate"] >= 2
     assert usage["decapsulate"] >= 1
+
+
+def test_xwing_encapsulation_interoperates_with_hpke_js(server: Server) -> None:
+    """X-Wing encapsulation (cryptd's combiner over pyca's ML-KEM-768 and X25519) against
+    @hpke/hybridkem-x-wing's KEM, both ways."""
+    seed = os.urandom(32)
+    ok(import_key(server, "pq-kem-xwing", "x25519-ml-kem-768", seed), 201)
+    public = versions(server, "pq-kem-xwing")[0]["public_key_raw"]
+    made = ok(server.request("POST", "/v1/encapsulate/pq-kem-xwing", {}))
+    assert len(unb64(made["ciphertext"])) == 1120
+    theirs, opened = peer(
+        [
+            {"op": "kem_encap", "kem": "x25519-ml-kem-768", "pk": public},
+            {
+                "op": "kem_decap",
+                "kem": "x25519-ml-kem-768",
+                "sk": seed.hex(),
+                "enc": unb64(made["ciphertext"]).hex(),
+            },
+        ]
+    )
+    assert bytes.fromhex(opened["ss"]) == unb64(made["shared_secret"])
+    body = {"ciphertext": b64(bytes.fromhex(theirs["enc"]))}
+    mine = ok(server.request("POST", "/v1/decapsulate/pq-kem-xwing", body))
+    assert unb64(mine["shared_secret"]) == bytes.fromhex(theirs["ss"])
 
 
 @pytest.mark.parametrize(

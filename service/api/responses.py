@@ -58,7 +58,9 @@ class HmacResponse(_Answer):
 
 
 class EncapsulateResponse(_Answer):
-    ciphertext: Base64 = Field(description="The KEM ciphertext (FIPS 203 bytes).")
+    ciphertext: Base64 = Field(
+        description="The KEM ciphertext (FIPS 203 bytes; X-Wing: ct_ML-KEM || ct_X25519)."
+    )
     shared_secret: Base64 = Field(description="The 32-byte shared secret.")
     key_version: Version
 
@@ -66,7 +68,7 @@ class EncapsulateResponse(_Answer):
 class DecapsulateResponse(_Answer):
     shared_secret: Base64 = Field(
         description="The 32-byte shared secret. A ciphertext made for another key gives another "
-        "secret (ML-KEM's implicit rejection), never an error."
+        "secret (implicit rejection), never an error."
     )
     key_version: Version
 

@@ -195,7 +195,9 @@ class EncapsulateRequest(_Body):
 
 
 class DecapsulateRequest(_Body):
-    ciphertext: Base64 = Field(description="The KEM ciphertext (FIPS 203 bytes).")
+    ciphertext: Base64 = Field(
+        description="The KEM ciphertext (FIPS 203 bytes; X-Wing: ct_ML-KEM || ct_X25519)."
+    )
     key_version: VersionNumber | None = None
 
 

@@ -146,13 +146,13 @@ ROUTES: tuple[Route, ...] = (
     _crypto("hmac", "HMAC of a message (HMAC keys)", s.HmacRequest, r.HmacResponse),
     _crypto(
         "encapsulate",
-        "A fresh shared secret and its ML-KEM ciphertext (ML-KEM keys)",
+        "A fresh shared secret and its KEM ciphertext (ML-KEM and X-Wing keys)",
         s.EncapsulateRequest,
         r.EncapsulateResponse,
     ),
     _crypto(
         "decapsulate",
-        "The shared secret of an ML-KEM ciphertext (ML-KEM keys)",
+        "The shared secret of a KEM ciphertext (ML-KEM and X-Wing keys)",
         s.DecapsulateRequest,
         r.DecapsulateResponse,
     ),

@@ -1,4 +1,5 @@
-"""ML-KEM (FIPS 203) and X-Wing keys: HPKE encryption (RFC 9180) and raw encapsulation.
+"""ML-KEM (FIPS 203) and X-Wing keys: HPKE encryption (RFC 9180) and raw encapsulation
+(FIPS 203 ML-KEM; X-Wing's own, service/crypto/xwing.py).
 
 ``encrypt``/``decrypt`` are HPKE base mode, single-shot, KDF HKDF-SHA256 (0x0001), AEAD
 AES-256-GCM (0x0002), empty ``info``, the request's ``aad`` as the HPKE aad; the token body is
@@ -16,7 +17,7 @@ independent HPKE implementations.
 
 Stored material is the seed: 64 bytes d || z for ML-KEM (FIPS 203 Algorithm 16), 32 bytes for
 X-Wing, expanded as the X-Wing draft says (SHAKE256(seed, 96): the ML-KEM-768 seed, then the
-X25519 private key).
+X25519 private key; service/crypto/xwing.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any, Protocol
 
 from cryptography.exceptions import InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.bindings._rust import openssl as _rust_openssl
-from cryptography.hazmat.primitives import hashes, hpke
-from cryptography.hazmat.primitives.asymmetric import mlkem, x25519
+from cryptography.hazmat.primitives import hpke
+from cryptography.hazmat.primitives.asymmetric import mlkem
 
+from service.crypto import xwing
 from service.crypto.base import (
     InvalidCiphertext,
     InvalidKeyMaterial,
@@ -57,7 +59,8 @@ class _KemPublic(Protocol):
 
 
 class HpkeKey(KeyHandle):
-    """A KEM key version: HPKE for encrypt/decrypt; ML-KEM's own encapsulate/decapsulate."""
+    """A KEM key version: HPKE for encrypt/decrypt; the KEM itself for encapsulate and
+    decapsulate."""
 
     __slots__ = (
         "_ciphertext_size",
@@ -80,8 +83,8 @@ class HpkeKey(KeyHandle):
         public: _HpkePublic,
         raw_public: bytes,
         pem: str | None,
-        kem_private: _KemPrivate | None,
-        kem_public: _KemPublic | None,
+        kem_private: _KemPrivate,
+        kem_public: _KemPublic,
         ciphertext_size: int,
     ) -> None:
         self.type_name = type_name  # type: ignore[misc]  # one class serves the three types
@@ -108,14 +111,11 @@ class HpkeKey(KeyHandle):
             raise InvalidCiphertext from None
 
     def encapsulate(self) -> tuple[bytes, bytes]:
-        if self._kem_public is None:
-            self._unsupported("encapsulate")
+        """(ciphertext, shared secret)."""
         secret, ciphertext = self._kem_public.encapsulate()  # pyca's order: (secret, ct)
         return bytes(ciphertext), bytes(secret)
 
     def decapsulate(self, ciphertext: bytes) -> bytes:
-        if self._kem_private is None:
-            self._unsupported("decapsulate")
         if len(ciphertext) != self._ciphertext_size:
             raise InvalidOptions(
                 f"{self.type_name} ciphertext must be {self._ciphertext_size} bytes"
@@ -186,17 +186,15 @@ def _mlkem_type(level: int, type_id: int, cls: Any) -> KeyType:
 def _xwing_load(material: bytes) -> KeyHandle:
     if len(material) != XWING_SEED_SIZE:
         raise InvalidKeyMaterial("x25519-ml-kem-768 material must be a 32-byte seed")
-    shake = hashes.Hash(hashes.SHAKE256(96))
-    shake.update(material)
-    expanded = shake.finalize()
-    mlkem_private = mlkem.MLKEM768PrivateKey.from_seed_bytes(expanded[:64])
-    x25519_private = x25519.X25519PrivateKey.from_private_bytes(expanded[64:])
+    mlkem_private, x25519_private = xwing.expand(material)
+    kem = xwing.XWing(mlkem_private, x25519_private)
     mlkem_public = mlkem_private.public_key()
     x25519_public = x25519_private.public_key()
     private = hpke.MLKEM768X25519PrivateKey(mlkem_private, x25519_private)
     public = hpke.MLKEM768X25519PublicKey(mlkem_public, x25519_public)
     raw = mlkem_public.public_bytes_raw() + x25519_public.public_bytes_raw()
-    # No SPKI: pyca serializes no X-Wing public key; ``public_key_raw`` is the key HPKE takes.
+    # No SPKI: pyca serializes no X-Wing public key (the draft's OID is not final);
+    # ``public_key_raw`` is the key HPKE takes.
     return HpkeKey(
         "x25519-ml-kem-768",
         hpke.KEM.MLKEM768_X25519,
@@ -204,9 +202,9 @@ def _xwing_load(material: bytes) -> KeyHandle:
         public,
         raw,
         None,
-        None,
-        None,
-        hpke.KEM.MLKEM768_X25519.enc_length(),
+        kem,
+        kem,
+        xwing.CIPHERTEXT_SIZE,
     )
 
 
@@ -221,7 +219,7 @@ ML_KEM_1024 = _mlkem_type(1024, 18, mlkem.MLKEM1024PrivateKey)
 X25519_ML_KEM_768 = KeyType(
     name="x25519-ml-kem-768",
     type_id=19,
-    operations=frozenset({"encrypt", "decrypt"}),
+    operations=frozenset({"encrypt", "decrypt", "encapsulate", "decapsulate"}),
     asymmetric=True,
     generate=lambda: os.urandom(XWING_SEED_SIZE),
     load=_xwing_load,

@@ -51,6 +51,17 @@ async function run(c) {
       const pt = await s.open({ recipientKey, enc: bin(c.enc) }, bin(c.ct), bin(c.aad));
       return { pt: hex(new Uint8Array(pt)) };
     }
+    case "kem_encap": {
+      const s = suite(c.kem);
+      const recipientPublicKey = await s.kem.deserializePublicKey(bin(c.pk));
+      const { sharedSecret, enc } = await s.kem.encap({ recipientPublicKey });
+      return { enc: hex(new Uint8Array(enc)), ss: hex(new Uint8Array(sharedSecret)) };
+    }
+    case "kem_decap": {
+      const s = suite(c.kem);
+      const recipientKey = await s.kem.deserializePrivateKey(bin(c.sk));
+      return { ss: hex(new Uint8Array(await s.kem.decap({ enc: bin(c.enc), recipientKey }))) };
+    }
     default:
       throw new Error(`unknown op ${c.op}`);
   }
