@@ -397,6 +397,15 @@ def test_encapsulation_policy_and_key_types(server: Server) -> None:
     usage = versions(server, "pq-pol-kem")[0]["usage"]["operations"]
     assert usage["encapsulate"] >= 2
     assert usage["decapsulate"] >= 1
+    metrics = server.request("GET", "/metrics", sign=False).text
+    for operation in ("encapsulate", "decapsulate"):
+        labels = f'operation="{operation}",outcome="ok"'
+        assert any(
+            line.startswith("cryptd_crypto_operations_total{")
+            and labels in line
+            and 'key_type="ml-kem-768"' in line
+            for line in metrics.splitlines()
+        ), operation
 
 
 def test_xwing_encapsulation_interoperates_with_hpke_js(server: Server) -> None:
