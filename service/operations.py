@@ -252,8 +252,12 @@ def _check_signing_context(key: Key, options: SignOptions) -> None:
     if options.context is None and options.message_type is None:
         return
     if not key.type.signing_context:
-        name = "context" if options.context is not None else "message_type"
-        raise InvalidRequest(f"'{name}' does not apply to key type {key.type.name}")
+        if options.context is not None:
+            raise InvalidRequest(
+                "'context' applies to ML-DSA keys (FIPS 204 context) and to derived keys; "
+                f"key type {key.type.name} takes neither"
+            )
+        raise InvalidRequest(f"'message_type' applies to ML-DSA keys, not {key.type.name}")
 
 
 def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:
