@@ -186,7 +186,9 @@ class KeyVersionInfo(_Answer):
         default=None, description="SubjectPublicKeyInfo PEM (asymmetric keys only)."
     )
     public_key_raw: str | None = Field(
-        default=None, description="Customary raw encoding (SM2: hex 04||x||y)."
+        default=None,
+        description="Customary raw encoding, hex (SM2: 04||x||y; ML-KEM and X-Wing: the HPKE "
+        "public key, X-Wing's pk_ML-KEM||pk_X25519).",
     )
 
 
