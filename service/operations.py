@@ -29,7 +29,17 @@ from service.keys.keyring import Key, Keyring, KeyVersion
 
 log = logging.getLogger("cryptd.engine")
 
-OpName = Literal["encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac"]
+OpName = Literal[
+    "encrypt",
+    "decrypt",
+    "sign",
+    "verify",
+    "rewrap",
+    "datakey",
+    "hmac",
+    "encapsulate",
+    "decapsulate",
+]
 Result = dict[str, Any]
 # observer(operation, key_type, seconds, outcome, items)
 Observer = Callable[[str, str, float, str, int], None]
@@ -102,6 +112,17 @@ class HmacItem:
     context: bytes | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EncapsulateItem:
+    """KEM keys: a fresh shared secret and its ciphertext, under the active version."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecapsulateItem:
+    ciphertext: bytes
+    key_version: int | None = None
+
+
 Item = (
     EncryptItem
     | DecryptItem
@@ -111,6 +132,8 @@ Item = (
     | RewrapItem
     | DatakeyItem
     | HmacItem
+    | EncapsulateItem
+    | DecapsulateItem
 )
 
 # Which key capability each API operation needs.
@@ -122,6 +145,8 @@ REQUIRES: dict[OpName, str] = {
     "rewrap": "decrypt",
     "datakey": "encrypt",
     "hmac": "hmac",
+    "encapsulate": "encapsulate",
+    "decapsulate": "decapsulate",
 }
 
 
@@ -143,11 +168,20 @@ def _handle(kv: KeyVersion, context: bytes | None) -> KeyHandle:
     return kv.handle if context is None else kv.handle.for_context(context)
 
 
+def _associated_data(key: Key, version: int, aad: bytes) -> bytes:
+    """What the body's AEAD authenticates: cryptd's binding of key, version and type around the
+    request's aad; for HPKE keys the aad alone (RFC 9180 Seal's aad, so a body made by any HPKE
+    library decrypts; another key's or version's private key cannot open it anyway)."""
+    if key.type.hpke:
+        return aad
+    return token.associated_data(key.name, version, key.type.type_id, aad)
+
+
 def _seal(
     key: Key, version: int | None, plaintext: bytes, aad: bytes, context: bytes | None
 ) -> Result:
     kv = key.version(version, encrypting=True)
-    ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
+    ad = _associated_data(key, kv.version, aad)
     body = _handle(kv, context).encrypt(plaintext, ad)
     return {
         "ciphertext": token.encode(kv.version, key.type.type_id, body),
@@ -170,7 +204,7 @@ def _open(
     key: Key, ciphertext: str, aad: bytes, key_version: int | None, context: bytes | None
 ) -> tuple[bytes, int]:
     kv, body = _token_version(key, ciphertext, key_version)
-    ad = token.associated_data(key.name, kv.version, key.type.type_id, aad)
+    ad = _associated_data(key, kv.version, aad)
     return _handle(kv, context).decrypt(body, ad), kv.version
 
 
@@ -214,7 +248,20 @@ def _signing_version(
     return key.version(version, encrypting=signing)
 
 
+def _check_signing_context(key: Key, options: SignOptions) -> None:
+    if options.context is None and options.message_type is None:
+        return
+    if not key.type.signing_context:
+        if options.context is not None:
+            raise InvalidRequest(
+                "'context' applies to ML-DSA keys (FIPS 204 context) and to derived keys; "
+                f"key type {key.type.name} takes neither"
+            )
+        raise InvalidRequest(f"'message_type' applies to ML-DSA keys, not {key.type.name}")
+
+
 def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:
+    _check_signing_context(key, item.options)
     kv = _signing_version(key, item.prehashed, item.key_version, signing=True)
     signature = kv.handle.sign(item.data, prehashed=item.prehashed, options=item.options)
     return {"signature": b64(signature), "key_version": kv.version}
@@ -232,6 +279,7 @@ def verify(keyring: Keyring, key: Key, item: VerifyItem | MacVerifyItem) -> Resu
         raise InvalidRequest(
             f"key type {key.type.name} verifies a 'mac' (with 'message'), not a 'signature'"
         )
+    _check_signing_context(key, item.options)
     kv = _signing_version(key, item.prehashed, item.key_version, signing=False)
     valid = kv.handle.verify(
         item.signature, item.data, prehashed=item.prehashed, options=item.options
@@ -276,6 +324,17 @@ def datakey(keyring: Keyring, key: Key, item: DatakeyItem) -> Result:
     return {"plaintext": b64(dek), **sealed}
 
 
+def encapsulate(keyring: Keyring, key: Key, item: EncapsulateItem) -> Result:
+    kv = key.version(None, encrypting=True)
+    ciphertext, secret = kv.handle.encapsulate()
+    return {"ciphertext": b64(ciphertext), "shared_secret": b64(secret), "key_version": kv.version}
+
+
+def decapsulate(keyring: Keyring, key: Key, item: DecapsulateItem) -> Result:
+    kv = key.version(item.key_version)
+    return {"shared_secret": b64(kv.handle.decapsulate(item.ciphertext)), "key_version": kv.version}
+
+
 OPERATIONS: dict[OpName, Callable[[Keyring, Key, Any], Result]] = {
     "encrypt": encrypt,
     "decrypt": decrypt,
@@ -284,6 +343,8 @@ OPERATIONS: dict[OpName, Callable[[Keyring, Key, Any], Result]] = {
     "rewrap": rewrap,
     "datakey": datakey,
     "hmac": hmac,
+    "encapsulate": encapsulate,
+    "decapsulate": decapsulate,
 }
 
 

@@ -144,6 +144,33 @@ def test_every_kind_of_key_and_its_metadata_survive(pair: tuple[Server, Server])
     )
 
 
+def test_post_quantum_keys_survive(pair: tuple[Server, Server]) -> None:
+    """ML-DSA and X-Wing keys restored on B: B verifies A's signature (with its context) and
+    opens A's HPKE token, and both publish the same public keys."""
+    a, b = pair
+    ok(a.request("POST", "/v1/keys/bk-mldsa", {"type": "ml-dsa-65"}), 201)
+    ok(a.request("POST", "/v1/keys/bk-xwing", {"type": "x25519-ml-kem-768"}), 201)
+    ok(a.request("POST", "/v1/keys/bk-xwing/rotate"))
+    signing = {"message": b64(b"m"), "context": b64(b"ctx")}
+    signature = ok(a.request("POST", "/v1/sign/bk-mldsa", signing))["signature"]
+    sealed = {"plaintext": b64(b"pq"), "aad": b64(b"a"), "key_version": 1}
+    token = ok(a.request("POST", "/v1/encrypt/bk-xwing", sealed))["ciphertext"]
+    for name in ("bk-mldsa", "bk-xwing"):
+        ok(restore(b, name, backup(a, name)), 201)
+        assert metadata(b, name) == metadata(a, name)
+        keys_a = [v.get("public_key_raw") or v["public_key_pem"] for v in versions(a, name)]
+        assert keys_a == [v.get("public_key_raw") or v["public_key_pem"] for v in versions(b, name)]
+    verified = b.request("POST", "/v1/verify/bk-mldsa", {**signing, "signature": signature})
+    assert ok(verified) == {"valid": True}
+    opened = ok(b.request("POST", "/v1/decrypt/bk-xwing", {"ciphertext": token, "aad": b64(b"a")}))
+    assert opened["plaintext"] == b64(b"pq")
+
+
+def versions(server: Server, name: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = ok(server.request("GET", f"/v1/keys/{name}"))["versions"]
+    return found
+
+
 def test_restore_refusals(pair: tuple[Server, Server], server: Server) -> None:
     a, b = pair
     ok(a.request("POST", "/v1/keys/bk-refuse", {"type": "aes256-gcm"}), 201)

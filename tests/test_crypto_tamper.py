@@ -36,7 +36,10 @@ from service.keys.store import KeystoreError
 
 AEAD_TYPES = ("aes256-gcm", "sm4-gcm")
 HYBRID_TYPES = ("rsa-2048", "rsa-3072")
-TYPES = AEAD_TYPES + HYBRID_TYPES
+# HPKE (RFC 9180) bodies: enc || AEAD ciphertext || tag, no nonce (derived from the KEM secret).
+HPKE_ENC = {"ml-kem-768": 1088, "ml-kem-1024": 1568, "x25519-ml-kem-768": 1120}
+HPKE_TYPES = tuple(HPKE_ENC)
+TYPES = AEAD_TYPES + HYBRID_TYPES + HPKE_TYPES
 PLAINTEXT = b"twenty bytes of text"
 AAD = b"context:tamper"
 FAILED = DecryptionFailed()
@@ -147,8 +150,13 @@ def layout(type_name: str, data: bytes) -> dict[str, range]:
         found["wrapped_key_length"] = range(2, 4)
         found["wrapped_key"] = range(4, 4 + wrapped)
         start = 4 + wrapped
-    found["nonce"] = range(start, start + NONCE)
-    found["ciphertext"] = range(start + NONCE, len(data) - TAG)
+    if type_name in HPKE_TYPES:
+        found["enc"] = range(start, start + HPKE_ENC[type_name])
+        start += HPKE_ENC[type_name]
+    else:
+        found["nonce"] = range(start, start + NONCE)
+        start += NONCE
+    found["ciphertext"] = range(start, len(data) - TAG)
     found["tag"] = range(len(data) - TAG, len(data))
     assert len(found["ciphertext"]) == len(PLAINTEXT)
     return found

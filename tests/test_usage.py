@@ -134,6 +134,8 @@ def test_counts_from_every_worker_add_up_exactly(two_workers: Server) -> None:
             "datakey": 0,
             "rewrap_from": 1,
             "rewrap_to": 0,
+            "encapsulate": 0,
+            "decapsulate": 0,
         }
         assert usage["total"] == 68
         assert versions(server, "sm4-gcm")[1]["operations"]["rewrap_to"] == 1

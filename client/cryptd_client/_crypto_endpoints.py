@@ -43,8 +43,11 @@ def _signing_body(
     encoding: str | None,
     key_version: int | None,
     hash_algorithm: str | None,
+    context: bytes | None = None,
+    message_type: str | None = None,
 ) -> dict[str, Any]:
-    """The body of sign (``signature`` None) and of verify, in the order both send it."""
+    """The body of sign (``signature`` None) and of verify, in the order both send it.
+    ``context`` and ``message_type``: ML-DSA keys (FIPS 204 context; ``external_mu``)."""
     _exactly_one(message, digest)
     return _body(
         message=message,
@@ -55,6 +58,8 @@ def _signing_body(
         encoding=encoding,
         key_version=key_version,
         hash_algorithm=hash_algorithm,
+        context=context,
+        message_type=message_type,
     )
 
 
@@ -127,9 +132,11 @@ class CryptoEndpoints(BaseClient):
         encoding: str | None = None,
         key_version: int | None = None,
         hash_algorithm: str | None = None,
+        context: bytes | None = None,
+        message_type: str | None = None,
     ) -> _Call[SignResult]:
         options = (algorithm, signer_id, encoding, key_version, hash_algorithm)
-        body = _signing_body(message, digest, None, *options)
+        body = _signing_body(message, digest, None, *options, context, message_type)
         return _Call("POST", _key_path("sign", key), body, _sign_result)
 
     @operation
@@ -145,9 +152,11 @@ class CryptoEndpoints(BaseClient):
         encoding: str | None = None,
         key_version: int | None = None,
         hash_algorithm: str | None = None,
+        context: bytes | None = None,
+        message_type: str | None = None,
     ) -> _Call[bool]:
         options = (algorithm, signer_id, encoding, key_version, hash_algorithm)
-        body = _signing_body(message, digest, signature, *options)
+        body = _signing_body(message, digest, signature, *options, context, message_type)
         return _Call("POST", _key_path("verify", key), body, _verify_result)
 
     @operation

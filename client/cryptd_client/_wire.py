@@ -43,6 +43,7 @@ _TEXT: Final = frozenset(
         "signer_id",
         "encoding",
         "hash_algorithm",
+        "message_type",
         "to_key",
         "type",
         "mac",

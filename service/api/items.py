@@ -12,7 +12,9 @@ from typing import Any
 
 from service.api.schemas import (
     DatakeyRequest,
+    DecapsulateRequest,
     DecryptRequest,
+    EncapsulateRequest,
     EncryptRequest,
     HmacRequest,
     RewrapRequest,
@@ -25,7 +27,9 @@ from service.crypto.base import NO_OPTIONS, SignOptions
 from service.errors import InvalidRequest, SchemaError
 from service.operations import (
     DatakeyItem,
+    DecapsulateItem,
     DecryptItem,
+    EncapsulateItem,
     EncryptItem,
     HmacItem,
     Item,
@@ -37,6 +41,7 @@ from service.operations import (
 )
 
 MAX_SIGNER_ID_BYTES = 255
+MAX_SIGNING_CONTEXT_BYTES = 255  # FIPS 204: ctx is at most 255 bytes
 
 
 def _aad(value: str | None) -> bytes:
@@ -62,6 +67,8 @@ def _sign_options(body: SignRequest) -> SignOptions:
         and body.encoding is None
         and body.signer_id is None
         and body.hash_algorithm is None
+        and body.context is None
+        and body.message_type is None
     ):
         return NO_OPTIONS  # the usual request: the shared empty options, nothing built
     signer_id = None
@@ -69,11 +76,18 @@ def _sign_options(body: SignRequest) -> SignOptions:
         signer_id = body.signer_id.encode("utf-8")
         if len(signer_id) > MAX_SIGNER_ID_BYTES:
             raise InvalidRequest("signer_id must be at most 255 bytes of UTF-8")
+    context = None
+    if body.context is not None:
+        context = decode_b64(body.context, "context")
+        if len(context) > MAX_SIGNING_CONTEXT_BYTES:
+            raise InvalidRequest("context must be at most 255 bytes")
     return SignOptions(
         algorithm=body.algorithm,
         encoding=body.encoding,
         signer_id=signer_id,
         hash_algorithm=body.hash_algorithm,
+        context=context,
+        message_type=body.message_type,
     )
 
 
@@ -153,7 +167,14 @@ def _sign(data: Any) -> SignItem:
     return SignItem(payload, prehashed, _sign_options(body), body.key_version)
 
 
-_SIGNATURE_ONLY = ("digest", "algorithm", "signer_id", "encoding", "hash_algorithm")
+_SIGNATURE_ONLY = (
+    "digest",
+    "algorithm",
+    "signer_id",
+    "encoding",
+    "hash_algorithm",
+    "message_type",
+)
 
 
 def _verify(data: Any) -> VerifyItem | MacVerifyItem:
@@ -170,8 +191,6 @@ def _verify(data: Any) -> VerifyItem | MacVerifyItem:
         return MacVerifyItem(body.mac, message, body.key_version, _context(body.context))
     if body.signature is None:
         raise SchemaError("body: send 'signature' (signing keys) or 'mac' (HMAC keys)")
-    if body.context is not None:
-        raise InvalidRequest("'context' applies to derived keys only; signing keys are not")
     payload, prehashed = _message_or_digest(body)
     signature = decode_b64(body.signature, "signature")
     return VerifyItem(signature, payload, prehashed, _sign_options(body), body.key_version)
@@ -192,6 +211,16 @@ def _hmac(data: Any) -> HmacItem:
     return HmacItem(decode_b64(body.message, "message"), body.key_version, _context(body.context))
 
 
+def _encapsulate(data: Any) -> EncapsulateItem:
+    validate(EncapsulateRequest, data)
+    return EncapsulateItem()
+
+
+def _decapsulate(data: Any) -> DecapsulateItem:
+    body = validate(DecapsulateRequest, data)
+    return DecapsulateItem(decode_b64(body.ciphertext, "ciphertext"), body.key_version)
+
+
 PARSERS: dict[OpName, Callable[[Any], Item]] = {
     "encrypt": _encrypt,
     "decrypt": _decrypt,
@@ -200,4 +229,6 @@ PARSERS: dict[OpName, Callable[[Any], Item]] = {
     "rewrap": _rewrap,
     "datakey": _datakey,
     "hmac": _hmac,
+    "encapsulate": _encapsulate,
+    "decapsulate": _decapsulate,
 }

@@ -57,6 +57,22 @@ class HmacResponse(_Answer):
     key_version: Version
 
 
+class EncapsulateResponse(_Answer):
+    ciphertext: Base64 = Field(
+        description="The KEM ciphertext (FIPS 203 bytes; X-Wing: ct_ML-KEM || ct_X25519)."
+    )
+    shared_secret: Base64 = Field(description="The 32-byte shared secret.")
+    key_version: Version
+
+
+class DecapsulateResponse(_Answer):
+    shared_secret: Base64 = Field(
+        description="The 32-byte shared secret. A ciphertext made for another key gives another "
+        "secret (implicit rejection), never an error."
+    )
+    key_version: Version
+
+
 class RandomResponse(_Answer):
     random: Base64
 
@@ -145,6 +161,8 @@ class OperationCounts(_Answer):
     datakey: Count
     rewrap_from: Count
     rewrap_to: Count
+    encapsulate: Count
+    decapsulate: Count
 
 
 class VersionUsage(_Answer):
@@ -168,7 +186,9 @@ class KeyVersionInfo(_Answer):
         default=None, description="SubjectPublicKeyInfo PEM (asymmetric keys only)."
     )
     public_key_raw: str | None = Field(
-        default=None, description="Customary raw encoding (SM2: hex 04||x||y)."
+        default=None,
+        description="Customary raw encoding, hex (SM2: 04||x||y; ML-KEM and X-Wing: the HPKE "
+        "public key, X-Wing's pk_ML-KEM||pk_X25519).",
     )
 
 

@@ -90,6 +90,18 @@ ExternalFormat = Annotated[
 SignAlgorithm = Annotated[str, Field(json_schema_extra={"enum": list(SIGN_ALGORITHMS)})]
 SignatureEncoding = Annotated[str, Field(json_schema_extra={"enum": list(SIGNATURE_ENCODINGS)})]
 HashAlgorithm = Annotated[str, Field(json_schema_extra={"enum": list(HASHES)})]
+MessageType = Annotated[
+    str,
+    Field(
+        json_schema_extra={"enum": ["raw", "external_mu"]},
+        description="ML-DSA: 'raw' (default) signs 'message'; 'external_mu' takes the 64-byte "
+        "mu of FIPS 204 section 6.2 in 'message'.",
+    ),
+]
+SigningContext = Annotated[
+    Base64,
+    Field(description="ML-DSA: the FIPS 204 context string, 0-255 bytes (not with external_mu)."),
+]
 
 
 def _exactly_one(*fields: str) -> dict[str, Any]:
@@ -138,6 +150,8 @@ class SignRequest(_Body):
     encoding: SignatureEncoding | None = None
     hash_algorithm: HashAlgorithm | None = None
     key_version: VersionNumber | None = None
+    context: SigningContext | None = None
+    message_type: MessageType | None = None
 
 
 class VerifyRequest(SignRequest):
@@ -149,7 +163,11 @@ class VerifyRequest(SignRequest):
     )
     signature: Base64 | None = None
     mac: str | None = Field(default=None, description="An HMAC tag token (from /v1/hmac).")
-    context: Context | None = None
+    context: Base64 | None = Field(
+        default=None,
+        description="ML-DSA: the FIPS 204 context string (0-255 bytes); derived HMAC keys: "
+        "the derivation context.",
+    )
 
 
 class RewrapRequest(_Body):
@@ -170,6 +188,17 @@ class HmacRequest(_Body):
     message: Base64
     key_version: VersionNumber | None = None
     context: Context | None = None
+
+
+class EncapsulateRequest(_Body):
+    """No fields: a fresh secret under the key's active version."""
+
+
+class DecapsulateRequest(_Body):
+    ciphertext: Base64 = Field(
+        description="The KEM ciphertext (FIPS 203 bytes; X-Wing: ct_ML-KEM || ct_X25519)."
+    )
+    key_version: VersionNumber | None = None
 
 
 class RandomRequest(_Body):

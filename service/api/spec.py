@@ -149,6 +149,18 @@ ROUTES: tuple[Route, ...] = (
         "datakey", "A fresh data key, and the same key wrapped", s.DatakeyRequest, r.DatakeyResponse
     ),
     _crypto("hmac", "HMAC of a message (HMAC keys)", s.HmacRequest, r.HmacResponse),
+    _crypto(
+        "encapsulate",
+        "A fresh shared secret and its KEM ciphertext (ML-KEM and X-Wing keys)",
+        s.EncapsulateRequest,
+        r.EncapsulateResponse,
+    ),
+    _crypto(
+        "decapsulate",
+        "The shared secret of a KEM ciphertext (ML-KEM and X-Wing keys)",
+        s.DecapsulateRequest,
+        r.DecapsulateResponse,
+    ),
     Route("POST", "/v1/random", "random", "Random bytes from the OS CSPRNG", s.RandomRequest,
           {200: r.RandomResponse}, (*SIGNED, "forbidden", *BODY)),
     # keys

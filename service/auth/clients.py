@@ -40,7 +40,19 @@ from service.fileio import atomic_write, file_stamp
 logger = logging.getLogger("cryptd.auth")
 
 OPERATIONS: Final = frozenset(
-    {"encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random", "read"}
+    {
+        "encrypt",
+        "decrypt",
+        "sign",
+        "verify",
+        "rewrap",
+        "datakey",
+        "hmac",
+        "random",
+        "read",
+        "encapsulate",
+        "decapsulate",
+    }
 )
 CLIENT_ID_RE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 AUTHENTICATION: Final = ("signature", "certificate")

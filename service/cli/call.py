@@ -129,7 +129,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--base64", action="store_true", help="the input is base64: decode it first"
     )
     parser.add_argument("--aad", help="associated data (UTF-8 text)")
-    parser.add_argument("--context", help="derived keys: the context (UTF-8 text)")
+    parser.add_argument(
+        "--context", help="derived keys: the context; sign/verify (ML-DSA): the FIPS 204 context"
+    )
+    parser.add_argument(
+        "--message-type", help="sign/verify (ML-DSA): raw | external_mu (input: the 64-byte mu)"
+    )
     parser.add_argument("--key-version", type=int)
     parser.add_argument("--format", help="decrypt: external ciphertext format (input is bytes)")
     parser.add_argument("--digest", help="sign/verify: the digest, hex, instead of a message")
@@ -269,6 +274,8 @@ def _sign_options(args: argparse.Namespace) -> dict[str, Any]:
         "encoding": args.encoding,
         "key_version": args.key_version,
         "hash_algorithm": args.hash_algorithm,
+        "context": args.context.encode("utf-8") if args.context is not None else None,
+        "message_type": args.message_type,
     }
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, NoReturn
 
-Operation = Literal["encrypt", "decrypt", "sign", "verify", "hmac"]
+Operation = Literal["encrypt", "decrypt", "sign", "verify", "hmac", "encapsulate", "decapsulate"]
 
 
 class CryptoError(Exception):
@@ -47,6 +47,8 @@ class SignOptions:
     encoding: str | None = None  # ECDSA and SM2: "der" (default) or "raw" (fixed-length r||s)
     signer_id: bytes | None = None  # SM2 only; default b"1234567812345678"
     hash_algorithm: str | None = None  # RSA and ECDSA: "sha2-256" | "sha2-384" | "sha2-512"
+    context: bytes | None = None  # ML-DSA only: 0-255 bytes (FIPS 204 ctx)
+    message_type: str | None = None  # ML-DSA only: "raw" (default) or "external_mu"
 
     def refuse(self, *names: str) -> None:
         """Raise InvalidOptions if any of ``names`` was sent."""
@@ -97,6 +99,16 @@ class KeyHandle(ABC):
     ) -> bool:
         """True when the signature verifies; False for any signature bytes that do not."""
         self._unsupported("verify")
+
+    def encapsulate(self) -> tuple[bytes, bytes]:
+        """KEM keys: a fresh (ciphertext, shared secret) for this key's public key."""
+        self._unsupported("encapsulate")
+
+    def decapsulate(self, ciphertext: bytes) -> bytes:
+        """KEM keys: the shared secret of ``ciphertext``. A ciphertext of the right length made
+        for another key yields another secret (implicit rejection), never an error; one of the
+        wrong length raises InvalidOptions."""
+        self._unsupported("decapsulate")
 
     def mac(self, message: bytes) -> bytes:
         """The MAC tag of ``message`` (HMAC keys)."""
@@ -152,6 +164,11 @@ class KeyType:
     sign_digest_size: int | None = None  # default digest size; None: digests refused
     derive: Callable[[bytes, bytes, bool], KeyHandle] | None = None
     convergent: bool = False  # derived keys of this type may be convergent
+    # Sign options ``context`` and ``message_type`` apply (ML-DSA); other types refuse them.
+    signing_context: bool = False
+    # HPKE types: the token's associated data is the request's aad alone (not cryptd's binding
+    # of key name, version and type), so any HPKE library can encrypt to the public key.
+    hpke: bool = False
 
     def supports(self, operation: Operation) -> bool:
         return operation in self.operations

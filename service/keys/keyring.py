@@ -34,7 +34,7 @@ PENDING_DELETION = "pending_deletion"
 STATES = (ENABLED, DECRYPT_ONLY, DISABLED, PENDING_DELETION)
 SETTABLE_STATES = (ENABLED, DECRYPT_ONLY, DISABLED)  # through PATCH
 # Uses a decrypt_only key allows: reading what exists. "rewrap" is rewrap *from* the key.
-READING_USES = frozenset({"decrypt", "verify", "rewrap"})
+READING_USES = frozenset({"decrypt", "verify", "rewrap", "decapsulate"})
 
 
 def check_state(name: str, state: str, use: str, deletion_date: str | None = None) -> None:

@@ -41,7 +41,9 @@ from service.usage.store import OPERATIONS, Increment, UsageKey, UsageStore, Usa
 log = logging.getLogger("cryptd.usage")
 
 # Operations whose result names the version used.
-_ANSWERS_VERSION = frozenset({"encrypt", "decrypt", "sign", "hmac", "datakey"})
+_ANSWERS_VERSION = frozenset(
+    {"encrypt", "decrypt", "sign", "hmac", "datakey", "encapsulate", "decapsulate"}
+)
 
 Batch = dict[UsageKey, Increment]
 # Per version: operation -> count, and the latest use (None: never).

@@ -34,6 +34,8 @@ OPERATIONS: tuple[str, ...] = (
     "datakey",
     "rewrap_from",
     "rewrap_to",
+    "encapsulate",
+    "decapsulate",
 )
 
 

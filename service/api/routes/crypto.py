@@ -1,5 +1,5 @@
-"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey,hmac}/{key}: single item or batch, one
-path."""
+"""POST /v1/{encrypt,decrypt,sign,verify,rewrap,datakey,hmac,encapsulate,decapsulate}/{key}:
+single item or batch, one path."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ OPERATIONS: tuple[OpName, ...] = (
     "rewrap",
     "datakey",
     "hmac",
+    "encapsulate",
+    "decapsulate",
 )
 BATCHABLE: tuple[OpName, ...] = OPERATIONS
 
