@@ -1,0 +1,331 @@
+"""The documentation, executed: every fenced block marked ``<!-- doc-test: NAME -->`` in the
+documents below runs as written, in a scratch directory, against a real server, so a command
+that stops working fails a test named after its document and block
+(``test_documented_block[docs/MIGRATION.md:2-migrate]``).
+
+A document's blocks run in order, as a reader types them into one terminal: shell variables
+and the working directory carry from one block to the next (exported or not, as in a shell),
+and each block runs under ``set -euo pipefail``, so any failing command fails it. A block
+marked ``serve`` is a server the reader starts in a terminal of its own: it runs in the
+background until the document is done, and the next block waits until it answers.
+Documents that start no server of their own (the README's "Try it", the client's example) get
+``cryptd serve --dev`` started in their scratch directory, as the README says. Blocks whose
+predecessors have not run yet run them first, so any test order works.
+
+Markers: ``<!-- doc-test: NAME [serve] -->`` on the line before the opening fence; ``sh`` and
+``python`` blocks are supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Each executed document, whether the test starts ``cryptd serve --dev`` for it (documents
+# with a ``serve`` block start their own server), and the blocks it must keep marked: removing
+# a marker must not quietly stop a block from running.
+DOCUMENTS: dict[str, tuple[bool, tuple[str, ...]]] = {
+    "README.md": (True, ("try-it",)),
+    "client/README.md": (True, ("example",)),
+    "docs/MIGRATION.md": (
+        False,
+        (
+            "dev-server",
+            "dev-variables",
+            "dev-table",
+            "0-client",
+            "1-create",
+            "1-decrypt-only",
+            "2-dry-run",
+            "2-migrate",
+            "2-files",
+            "2-usage",
+            "3-disable",
+            "3-delete",
+            "3-cancel",
+        ),
+    ),
+}
+
+_MARKER = re.compile(
+    r"^<!--\s*doc-test:\s*(?P<name>[a-z0-9][a-z0-9-]*)(?P<opts>(?:\s+[a-z]+)*)\s*-->$"
+)
+_FENCE = re.compile(r"^```(?P<lang>[a-z]+)\s*$")
+_LANGS = frozenset({"sh", "python"})
+_OPTIONS = frozenset({"serve"})
+_BLOCK_TIMEOUT = 180
+_READY_TIMEOUT = 60
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    name: str
+    lang: str
+    code: str
+    line: int  # of the opening fence, 1-based
+    serve: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.name}"
+
+
+def extract(doc: str, text: str) -> list[Block]:
+    """The marked blocks of one document, in order. A marker not followed by a fenced block of
+    a supported language, an unknown option or a name used twice is an error."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    for number, line in enumerate(lines):
+        marker = _MARKER.match(line.strip())
+        if marker is None:
+            if "doc-test" in line:
+                raise ValueError(f"{doc}:{number + 1}: malformed doc-test marker: {line!r}")
+            continue
+        options = set(marker["opts"].split())
+        if not options <= _OPTIONS:
+            raise ValueError(f"{doc}:{number + 1}: unknown options {sorted(options - _OPTIONS)}")
+        fence = _FENCE.match(lines[number + 1]) if number + 1 < len(lines) else None
+        if fence is None or fence["lang"] not in _LANGS:
+            raise ValueError(f"{doc}:{number + 1}: the marker must precede a sh or python fence")
+        end = next((i for i in range(number + 2, len(lines)) if lines[i].strip() == "```"), None)
+        if end is None:
+            raise ValueError(f"{doc}:{number + 2}: unterminated fence")
+        code = "\n".join(lines[number + 2 : end]) + "\n"
+        serve = "serve" in options
+        blocks.append(Block(doc, marker["name"], fence["lang"], code, number + 2, serve))
+    names = [b.name for b in blocks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{doc}: a doc-test name is used twice: {names}")
+    return blocks
+
+
+def _all_blocks() -> list[Block]:
+    blocks: list[Block] = []
+    for doc in DOCUMENTS:
+        blocks += extract(doc, (ROOT / doc).read_text())
+    return blocks
+
+
+BLOCKS = _all_blocks()
+
+
+def _base_environment(port: int) -> dict[str, str]:
+    """A reader's environment: this interpreter's ``cryptd`` and ``python3`` first on PATH, no
+    cryptd settings inherited from whoever runs the tests, and a free port for the server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRYPTD_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["CRYPTD_PORT"] = str(port)  # every server a document starts listens here
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@dataclass
+class DocumentRun:
+    """One document's scratch directory, server(s) and shell state."""
+
+    doc: str
+    directory: Path  # the reader's working directory
+    logs: Path  # outside it, so the test can check what the commands leave behind
+    blocks: list[Block]
+    port: int = field(default_factory=free_port)
+    servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    outcome: dict[str, bool] = field(default_factory=dict)
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        self.env = _base_environment(self.port)
+        self.state = self.logs / "shell-state.sh"
+        self.cwd = self.logs / "shell-cwd"
+        self.cwd.write_text(str(self.directory))
+
+    # -- servers ------------------------------------------------------------------------
+
+    def start_dev_server(self) -> None:
+        """``cryptd serve --dev`` in the scratch directory, the README's first command."""
+        self._background(["cryptd", "serve", "--dev"], "dev-server")
+
+    def _background(self, command: list[str], name: str) -> None:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        with log:
+            process = subprocess.Popen(
+                command,
+                cwd=self.cwd.read_text().strip(),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: workers stop with it
+            )
+        self.servers.append(process)
+        self._wait_ready(process, name)
+
+    def _wait_ready(self, process: subprocess.Popen[bytes], name: str) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"{self.doc}:{name}: the server exited:\n{self._log_tail(name)}")
+            for scheme in ("http", "https"):
+                with contextlib.suppress(httpx.HTTPError, OSError):
+                    # Only "does it answer yet": the blocks themselves check the certificate.
+                    url = f"{scheme}://127.0.0.1:{self.port}/readyz"
+                    if httpx.get(url, timeout=1, verify=False).status_code == 200:  # noqa: S501
+                        return
+            time.sleep(0.2)
+        pytest.fail(f"{self.doc}:{name}: the server did not become ready:\n{self._log_tail(name)}")
+
+    def _log_tail(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for process in self.servers:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+    # -- blocks -------------------------------------------------------------------------
+
+    def run_through(self, block: Block) -> None:
+        """Run every block of the document up to ``block`` that has not run yet."""
+        if not self.started:
+            self.started = True
+            if DOCUMENTS[self.doc][0]:
+                self.start_dev_server()
+        for earlier in self.blocks:
+            if earlier.name in self.outcome:
+                if not self.outcome[earlier.name]:
+                    pytest.fail(f"an earlier block of {self.doc} failed: {earlier.id}")
+            else:
+                self.outcome[earlier.name] = False
+                self._run(earlier, failing_block=block)
+                self.outcome[earlier.name] = True
+            if earlier is block:
+                return
+
+    def _run(self, block: Block, failing_block: Block) -> None:
+        where = f"{block.id} (line {block.line})"
+        if block is not failing_block:
+            where += f", run before {failing_block.id}"
+        script = self.logs / f"{block.name}.block"
+        script.write_text(block.code)
+        if block.serve:
+            self._background(["bash", "-c", self._shell(script, save=False)], block.name)
+            return
+        if block.lang == "python":
+            command = [sys.executable, str(script)]
+        else:
+            command = ["bash", "--noprofile", "--norc", "-c", self._shell(script, save=True)]
+        try:
+            done = subprocess.run(
+                command,
+                cwd=self.cwd.read_text().strip(),
+                env=self.env,
+                capture_output=True,
+                timeout=_BLOCK_TIMEOUT,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{where}: still running after {_BLOCK_TIMEOUT} s")
+        output = (done.stdout + done.stderr).decode(errors="replace")
+        (self.logs / f"{block.name}.out").write_text(output)
+        assert done.returncode == 0, f"{where} failed (exit {done.returncode}):\n{output[-6000:]}"
+
+    def _shell(self, script: Path, *, save: bool) -> str:
+        """Restore the previous blocks' variables and directory, run the block strictly, save
+        its variables (not read-only ones) and directory for the next."""
+        state, cwd = _q(self.state), _q(self.cwd)
+        restore = f'[ -f {state} ] && source {state} 2>/dev/null; cd "$(cat {cwd})"\n'
+        run = f"set -euo pipefail\nsource {_q(script)}\n"
+        if not save:  # a server, in the foreground of its own shell
+            return restore + run
+        keep = (
+            "set +eu\n"
+            f"declare -p | grep -Ev '^declare -[a-zA-Z]*r' > {_q(self.state)}.new\n"
+            f"mv {_q(self.state)}.new {_q(self.state)}\n"
+            f"pwd > {_q(self.cwd)}\n"
+        )
+        return restore + run + keep
+
+
+def _q(path: Path) -> str:
+    return "'" + str(path).replace("'", "'\\''") + "'"
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DocumentRun]]:
+    for program in ("jq", "openssl", "bash"):
+        if shutil.which(program) is None:
+            message = f"the documentation uses {program}, which is not installed"
+            if os.environ.get("CI") == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+    runs: dict[str, DocumentRun] = {}
+    for doc in DOCUMENTS:
+        base = tmp_path_factory.mktemp(doc.replace("/", "-").replace(".", "-"))
+        (base / "work").mkdir()
+        (base / "logs").mkdir()
+        blocks = [b for b in BLOCKS if b.doc == doc]
+        runs[doc] = DocumentRun(doc, base / "work", base / "logs", blocks)
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+def test_every_document_keeps_its_blocks_marked() -> None:
+    found: dict[str, tuple[str, ...]] = {}
+    for block in BLOCKS:
+        found[block.doc] = (*found.get(block.doc, ()), block.name)
+    assert found == {doc: names for doc, (_, names) in DOCUMENTS.items()}
+
+
+def test_markers_are_checked() -> None:
+    text = "<!-- doc-test: a -->\n```sh\necho a\n```\n<!-- doc-test: b serve -->\n```sh\nx\n```\n"
+    blocks = extract("x.md", text)
+    assert [(b.name, b.serve, b.code, b.line) for b in blocks] == [
+        ("a", False, "echo a\n", 2),
+        ("b", True, "x\n", 6),
+    ]
+    for bad in (
+        "<!-- doc-test: a -->\n\n```sh\necho\n```\n",  # not right before the fence
+        "<!-- doc-test: a -->\n```text\necho\n```\n",  # not a language that runs
+        "<!-- doc-test: a later -->\n```sh\necho\n```\n",  # unknown option
+        "<!-- doc-test: a -->\n```sh\necho\n",  # unterminated
+        "<!-- doc-test: a -->\n```sh\n```\n<!-- doc-test: a -->\n```sh\n```\n",  # twice
+        "<!-- doc-test a -->\n```sh\n```\n",  # malformed
+    ):
+        with pytest.raises(ValueError, match=r"x\.md"):
+            extract("x.md", bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_documented_block(block: Block, documents: dict[str, DocumentRun]) -> None:
+    run = documents[block.doc]
+    run.run_through(block)
+    if block.id == "README.md:try-it":
+        # Key material and backups go to a temporary directory, which the block removes.
+        assert sorted(p.name for p in run.directory.iterdir()) == [".cryptd-dev"]
