@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,18 +34,29 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import POSTGRES_DSN, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Each executed document, whether the test starts ``cryptd serve --dev`` for it (documents
-# with a ``serve`` block start their own server), and the blocks it must keep marked: removing
-# a marker must not quietly stop a block from running.
-DOCUMENTS: dict[str, tuple[bool, tuple[str, ...]]] = {
-    "README.md": (True, ("try-it",)),
-    "client/README.md": (True, ("example",)),
-    "docs/MIGRATION.md": (
-        False,
+
+@dataclass(frozen=True)
+class Document:
+    """How a document runs: ``dev_server``, the test starts ``cryptd serve --dev`` for it (a
+    document with ``serve`` blocks starts its own); ``postgres``, the site values a reader sets
+    by hand (``OWNER``, ``SERVICE``, ``ROLE``: database URLs and the service's role) come from
+    a database and role made for the run; ``names``, the blocks it must keep marked, so that a
+    removed marker cannot quietly stop a block from running."""
+
+    names: tuple[str, ...]
+    dev_server: bool = False
+    postgres: bool = False
+    programs: tuple[str, ...] = ("bash", "jq", "openssl")
+
+
+DOCUMENTS: dict[str, Document] = {
+    "README.md": Document(("try-it",), dev_server=True),
+    "client/README.md": Document(("example",), dev_server=True),
+    "docs/MIGRATION.md": Document(
         (
             "dev-server",
             "dev-variables",
@@ -59,7 +71,12 @@ DOCUMENTS: dict[str, tuple[bool, tuple[str, ...]]] = {
             "3-disable",
             "3-delete",
             "3-cancel",
-        ),
+        )
+    ),
+    "docs/DEPLOY.md": Document(
+        ("node-setup", "node-serve", "node-call", "pg-setup", "pg-serve", "pg-call"),
+        postgres=True,
+        programs=("bash", "jq", "openssl", "curl", "psql"),
     ),
 }
 
@@ -151,6 +168,7 @@ class DocumentRun:
 
     def __post_init__(self) -> None:
         self.env = _base_environment(self.port)
+        self.site = contextlib.ExitStack()
         self.state = self.logs / "shell-state.sh"
         self.cwd = self.logs / "shell-cwd"
         self.cwd.write_text(str(self.directory))
@@ -194,24 +212,37 @@ class DocumentRun:
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
 
     def stop(self) -> None:
+        """Stop the document's servers and wait until every process of theirs is gone (the
+        port is free again): SIGTERM to each one's process group, SIGKILL after 30 s."""
         for process in self.servers:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is None and time.monotonic() > deadline:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+                try:
+                    os.killpg(process.pid, 0)  # any process of the group left?
+                except ProcessLookupError:
+                    break
+                if time.monotonic() > deadline + 10:
+                    pytest.fail(f"{self.doc}: a server process outlived SIGKILL")
+                time.sleep(0.05)
+            process.wait()
+        self.servers.clear()
 
     # -- blocks -------------------------------------------------------------------------
 
     def run_through(self, block: Block) -> None:
         """Run every block of the document up to ``block`` that has not run yet."""
         if not self.started:
+            document = DOCUMENTS[self.doc]
+            _require(*document.programs)  # skips (fails under CI) every block of the document
+            if document.postgres:
+                self.env.update(self.site.enter_context(_postgres_site()))
             self.started = True
-            if DOCUMENTS[self.doc][0]:
+            if document.dev_server:
                 self.start_dev_server()
         for earlier in self.blocks:
             if earlier.name in self.outcome:
@@ -231,6 +262,7 @@ class DocumentRun:
         script = self.logs / f"{block.name}.block"
         script.write_text(block.code)
         if block.serve:
+            self.stop()  # the reader stops the server the document started before (Ctrl-C)
             self._background(["bash", "-c", self._shell(script, save=False)], block.name)
             return
         if block.lang == "python":
@@ -273,14 +305,45 @@ def _q(path: Path) -> str:
     return "'" + str(path).replace("'", "'\\''") + "'"
 
 
-@pytest.fixture(scope="module")
-def documents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DocumentRun]]:
-    for program in ("jq", "openssl", "bash"):
+def _require(*programs: str) -> None:
+    for program in programs:
         if shutil.which(program) is None:
             message = f"the documentation uses {program}, which is not installed"
             if os.environ.get("CI") == "true":
                 pytest.fail(message)
             pytest.skip(message)
+
+
+@contextlib.contextmanager
+def _postgres_site() -> Iterator[dict[str, str]]:
+    """A database and a login role of their own on the local PostgreSQL, as the site values
+    (OWNER, SERVICE, ROLE) a reader writes for their database; both dropped afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        admin = psycopg.connect(POSTGRES_DSN, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL at 127.0.0.1:5432 is required under CI: {exc}")
+        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is not reachable: {exc}")
+    name = f"cryptd_doc_{uuid.uuid4().hex[:12]}"
+    with admin:
+        admin.execute(f'CREATE ROLE "{name}" LOGIN')
+        try:
+            admin.execute(f'CREATE DATABASE "{name}"')
+            try:
+                yield {
+                    "OWNER": f"postgresql://postgres@127.0.0.1:5432/{name}",
+                    "SERVICE": f"postgresql://{name}@127.0.0.1:5432/{name}",
+                    "ROLE": name,
+                }
+            finally:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            admin.execute(f'DROP ROLE IF EXISTS "{name}"')
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DocumentRun]]:
     runs: dict[str, DocumentRun] = {}
     for doc in DOCUMENTS:
         base = tmp_path_factory.mktemp(doc.replace("/", "-").replace(".", "-"))
@@ -293,13 +356,14 @@ def documents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Do
     finally:
         for run in runs.values():
             run.stop()
+            run.site.close()
 
 
 def test_every_document_keeps_its_blocks_marked() -> None:
     found: dict[str, tuple[str, ...]] = {}
     for block in BLOCKS:
         found[block.doc] = (*found.get(block.doc, ()), block.name)
-    assert found == {doc: names for doc, (_, names) in DOCUMENTS.items()}
+    assert found == {doc: document.names for doc, document in DOCUMENTS.items()}
 
 
 def test_markers_are_checked() -> None:
@@ -326,6 +390,10 @@ def test_markers_are_checked() -> None:
 def test_documented_block(block: Block, documents: dict[str, DocumentRun]) -> None:
     run = documents[block.doc]
     run.run_through(block)
+    if block.id == "docs/DEPLOY.md:pg-call":
+        # The token made while the keys were in the file decrypts with them in PostgreSQL.
+        output = (run.logs / "pg-call.out").read_text().splitlines()
+        assert output == ["hello world", '"postgresql"']
     if block.id == "README.md:try-it":
         # Key material and backups go to a temporary directory, which the block removes.
         assert sorted(p.name for p in run.directory.iterdir()) == [".cryptd-dev"]
