@@ -72,10 +72,8 @@ class Report:
         if result.already_complete:
             lines.append("  (the checkpoint says this migration is complete; nothing was read)")
         elif result.pass_number > 1:
-            lines.append(
-                f"  pass        {result.pass_number} over the table (pass {result.pass_number - 1} "
-                "was complete): rows written under the source key since are migrated now"
-            )
+            n = result.pass_number
+            lines.append(f"  pass        {n}: the table read again after the complete pass {n - 1}")
         lines += [
             f"  migrated    {total.migrated:,} {would}".rstrip(),
             f"  skipped     {total.skipped.total():,}{_reasons(total.skipped)}",
