@@ -41,21 +41,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Document:
-    """How a document runs: ``dev_server``, the test starts ``cryptd serve --dev`` for it (a
-    document with ``serve`` blocks starts its own); ``postgres``, the site values a reader sets
-    by hand (``OWNER``, ``SERVICE``, ``ROLE``: database URLs and the service's role) come from
-    a database and role made for the run; ``names``, the blocks it must keep marked, so that a
-    removed marker cannot quietly stop a block from running."""
+    """How a document runs.
+
+    ``dev_server``: the test starts ``cryptd serve --dev`` for it (a document with ``serve``
+    blocks starts its own servers). ``server_of``: it runs in that document's directory,
+    against its development server (one server less to start). ``postgres``: the site values
+    a reader sets by hand (``OWNER``, ``SERVICE``, ``ROLE``: the database's URLs and the
+    service's role) come from a database and a role made for the run. ``names``: the blocks
+    it must keep marked, so that a removed marker cannot quietly stop a block from running.
+    """
 
     names: tuple[str, ...]
     dev_server: bool = False
+    server_of: str | None = None  # runs where that document's dev server was started
     postgres: bool = False
     programs: tuple[str, ...] = ("bash", "jq", "openssl")
 
 
 DOCUMENTS: dict[str, Document] = {
     "README.md": Document(("try-it",), dev_server=True),
-    "client/README.md": Document(("example",), dev_server=True),
+    "client/README.md": Document(("example",), server_of="README.md"),
     "docs/MIGRATION.md": Document(
         (
             "dev-server",
@@ -173,6 +178,7 @@ class DocumentRun:
     blocks: list[Block]
     port: int = field(default_factory=free_port)
     servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    host: DocumentRun | None = None  # the run whose directory and server this one uses
     outcome: dict[str, bool] = field(default_factory=dict)
     started: bool = False
 
@@ -244,16 +250,24 @@ class DocumentRun:
 
     # -- blocks -------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Before the first block: the programs the document uses, its site values, its
+        development server (or the one of the document it shares a server with)."""
+        if self.host is not None:
+            self.host.start()
+        if self.started:
+            return
+        document = DOCUMENTS[self.doc]
+        _require(*document.programs)  # skips (fails under CI) every block of the document
+        if document.postgres:
+            self.env.update(self.site.enter_context(_postgres_site()))
+        self.started = True
+        if document.dev_server:
+            self.start_dev_server()
+
     def run_through(self, block: Block) -> None:
         """Run every block of the document up to ``block`` that has not run yet."""
-        if not self.started:
-            document = DOCUMENTS[self.doc]
-            _require(*document.programs)  # skips (fails under CI) every block of the document
-            if document.postgres:
-                self.env.update(self.site.enter_context(_postgres_site()))
-            self.started = True
-            if document.dev_server:
-                self.start_dev_server()
+        self.start()
         for earlier in self.blocks:
             if earlier.name in self.outcome:
                 if not self.outcome[earlier.name]:
@@ -361,7 +375,13 @@ def documents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Do
         (base / "work").mkdir()
         (base / "logs").mkdir()
         blocks = [b for b in BLOCKS if b.doc == doc]
-        runs[doc] = DocumentRun(doc, base / "work", base / "logs", blocks)
+        shared = DOCUMENTS[doc].server_of
+        if shared is None:
+            runs[doc] = DocumentRun(doc, base / "work", base / "logs", blocks)
+        else:
+            host = runs[shared]
+            runs[doc] = DocumentRun(doc, host.directory, base / "logs", blocks, host.port)
+            runs[doc].host = host
     try:
         yield runs
     finally:
