@@ -309,8 +309,8 @@ class DocumentRun:
         assert done.returncode == 0, f"{where} failed (exit {done.returncode}):\n{output[-6000:]}"
 
     def _shell(self, script: Path, *, save: bool) -> str:
-        """Restore the previous blocks' variables and directory, run the block strictly, save
-        its variables (not read-only ones) and directory for the next."""
+        """Restore the previous blocks' variables, umask and directory, run the block strictly,
+        save them for the next."""
         state, cwd = _q(self.state), _q(self.cwd)
         restore = f'[ -f {state} ] && source {state} 2>/dev/null; cd "$(cat {cwd})"\n'
         run = f"set -euo pipefail\nsource {_q(script)}\n"
@@ -320,6 +320,7 @@ class DocumentRun:
             "set +eu\n"
             # Not read-only variables, nor bash's own (RANDOM would be re-seeded, SHLVL grow).
             f"declare -p | grep -Ev '{_NOT_CARRIED}' > {_q(self.state)}.new\n"
+            f'echo "umask $(umask)" >> {_q(self.state)}.new\n'
             f"mv {_q(self.state)}.new {_q(self.state)}\n"
             f"pwd > {_q(self.cwd)}\n"
         )
@@ -426,6 +427,10 @@ def test_documented_block(block: Block, documents: dict[str, DocumentRun]) -> No
         # The token made while the keys were in the file decrypts with them in PostgreSQL.
         output = (run.logs / "pg-call.out").read_text().splitlines()
         assert output == ["hello world", '"postgresql"']
+        # Keys, secrets and the database URL: readable by the service's user alone.
+        node = run.directory / "cryptd-node"
+        exposed = [f.name for f in node.iterdir() if f.stat().st_mode & 0o077]
+        assert exposed == []
     if block.id == "README.md:try-it":
         # Key material and backups go to a temporary directory, which the block removes.
         assert sorted(p.name for p in run.directory.iterdir()) == [".cryptd-dev"]
