@@ -173,6 +173,16 @@ def test_a_killed_file_migration_resumes_without_duplicates(
     aads = [f"r{i}".encode() for i in range(count)]
     assert _decrypt(cryptd, target, [r["tok"] for r in records], aads) == plaintexts
 
+    # A file is read once: its complete checkpoint means done, the output stays as it is.
+    written = out.read_bytes()
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    assert report["pass"] == 1
+    assert report["run"]["rows"] == 0
+    assert report["total"]["migrated"] == count
+    assert out.read_bytes() == written
+
 
 def test_refusals_for_files(
     server: Server, cryptd: CryptdClient, keys: tuple[str, str], tmp_path: Path

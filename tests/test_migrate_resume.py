@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import signal
 import socket
@@ -34,6 +35,7 @@ from tests.migrate_support import (
     Table,
     client,
     decrypts_to,
+    encrypt,
     migrate_command,
     new_key,
     run_migrate,
@@ -431,3 +433,81 @@ def test_connections_reset_under_the_run_are_retried(
     assert report is not None
     _assert_exactly_once(report, 3000)
     assert all(decrypts_to(cryptd, target, table.rows()))
+
+
+class _RewritingApp(SqlSource):
+    """The application, still on the old key, rewrites row 7 between the migration's read and
+    its write: the compare-and-set leaves the row under the old key."""
+
+    token = ""
+
+    def write(self, group: Sequence[tuple[Page, Changes]], written: Written) -> None:
+        if any(7 in page.ids for page, _ in group):
+            engine = sa.create_engine(self._url)
+            with engine.begin() as conn:
+                conn.execute(sa.text("UPDATE t SET tok = :tok WHERE id = 7"), {"tok": self.token})
+            engine.dispose()
+        super().write(group, written)
+
+
+def test_a_later_run_with_the_same_checkpoint_migrates_what_the_application_wrote(
+    server: Server, cryptd: CryptdClient, pg_database: str, tmp_path: Path
+) -> None:
+    """A complete checkpoint starts a new pass over the table: the row that changed during the
+    first pass, rows the application added and rewrote under the old key afterwards are
+    migrated, and nothing already under the target key is done again."""
+    source_key, target_key = new_key(cryptd, "aes256-gcm"), new_key(cryptd, "sm4-gcm")
+    table = table_of(cryptd, pg_database, source_key, 200)
+    checkpoint_path = tmp_path / "app.ckpt"
+    source_info, target_info, _ = preflight(cryptd, source_key, target_key)
+    source = _RewritingApp(table.url, "t", "tok", "id", "aad")
+    plain7 = b"written by the app during the run"
+    source.token = cryptd.encrypt(source_key, plain7, aad=b"row-6").ciphertext
+    binding = {"source": source.identity(), "from_key": source_key, "to_key": target_key}
+    log = FailureLog(tmp_path / "app.ckpt.failures.jsonl")
+    try:
+        result = Migration(
+            source,
+            Rewrapper(cryptd, source_info, target_info),
+            Options(50, 2),
+            checkpoint=CheckpointFile(checkpoint_path, binding),
+            failures=log,
+        ).run()
+    finally:
+        source.close()
+        log.close()
+    assert result.complete
+    assert result.pass_number == 1
+    assert dict(result.total.failed) == {"changed_during_migration": 1}
+    assert json.loads(checkpoint_path.read_text())["done"] is True
+    table.execute(f"UPDATE t SET pt = '\\x{plain7.hex()}'::bytea WHERE id = 7")
+
+    # After the first pass: a writer still on the old key adds ten rows and rewrites row 3.
+    added = [os.urandom(16) for _ in range(10)]
+    tokens = encrypt(cryptd, source_key, added, [f"new-{i}".encode() for i in range(10)])
+    table.insert([(201 + i, tokens[i], added[i], f"new-{i}".encode()) for i in range(10)])
+    row3 = cryptd.encrypt(source_key, b"rewritten", aad=b"row-2").ciphertext
+    rewritten = b"rewritten".hex()
+    table.execute(f"UPDATE t SET tok = '{row3}', pt = '\\x{rewritten}'::bytea WHERE id = 3")
+
+    args = sql_args(table, source_key, target_key, "--checkpoint", str(checkpoint_path))
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    assert report["pass"] == 2
+    assert report["status"] == "complete"
+    assert report["total"]["migrated"] == 12  # row 7, row 3 and the ten new rows
+    assert report["total"]["skipped"] == {"already_under_target": 198}
+    assert report["total"]["failed"] == {}
+    assert all(decrypts_to(cryptd, target_key, table.rows()))
+    assert (tmp_path / "app.ckpt.failures.jsonl").read_text() == ""  # this pass's failures
+
+    # Nothing left: the next pass migrates nothing and changes no row.
+    before = table.rows()
+    status, report, stderr = run_migrate(server, *args)
+    assert status == 0, stderr
+    assert report is not None
+    assert report["pass"] == 3
+    assert report["total"]["migrated"] == 0
+    assert report["total"]["skipped"] == {"already_under_target": 210}
+    assert table.rows() == before

@@ -112,12 +112,16 @@ def test_migrates_every_row_and_reports_every_bad_one(
     }
     assert "cryptd:v1:" not in log.read_text()  # the log names rows, never tokens
 
-    # The same command again: the checkpoint says the migration is complete.
+    # The same command again: a new pass over the table finds nothing left under the source
+    # key; the rows that cannot migrate fail again and are listed again.
     status, report, _ = run_migrate(server, *args)
     assert status == 1
     assert report is not None
-    assert report["total"]["migrated"] == 1200
-    assert report["run"]["rows"] == 0
+    assert report["pass"] == 2
+    assert report["total"]["migrated"] == 0
+    assert report["total"]["skipped"] == {"already_under_target": 1201, "null": 1}
+    assert sum(report["total"]["failed"].values()) == len(reasons)
+    assert table.rows() == list(after.values())
 
     # A fresh run (no checkpoint) asks the service and skips what is under the target key.
     status, report, _ = run_migrate(server, *sql_args(table, source, target))

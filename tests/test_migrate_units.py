@@ -8,9 +8,11 @@ import decimal
 import json
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from service.migrate.checkpoint import CheckpointFile, Snapshot, State
 from service.migrate.ids import decode_id, encode_id
 from service.migrate.model import Counts, MigrationRefused, Outcome
 from service.migrate.sampling import Sampler
@@ -97,3 +99,25 @@ def test_counts_round_trip_and_tally() -> None:
     assert counts.failed == Counter({"decryption_failed": 2})
     again = Counts.from_json(json.loads(json.dumps(counts.to_json())))
     assert again.to_json() == counts.to_json()
+
+
+def test_a_checkpoint_keeps_its_pass_and_older_ones_are_pass_one(tmp_path: Path) -> None:
+    binding = {"source": {"kind": "sql"}, "from_key": "a", "to_key": "b"}
+    checkpoint = CheckpointFile(tmp_path / "c.ckpt", binding)
+    checkpoint.save(State(Snapshot({"after": 5, "nulls": 0}, Counts()), done=True, pass_number=3))
+    loaded = checkpoint.load()
+    assert loaded is not None
+    assert (loaded.pass_number, loaded.done) == (3, True)
+
+    document = json.loads(checkpoint.path.read_text())
+    del document["pass"]  # written before passes existed
+    checkpoint.path.write_text(json.dumps(document))
+    loaded = checkpoint.load()
+    assert loaded is not None
+    assert loaded.pass_number == 1
+
+    for bad in (0, -1, "two"):
+        document["pass"] = bad
+        checkpoint.path.write_text(json.dumps(document))
+        with pytest.raises(MigrationRefused, match="not a migration checkpoint"):
+            checkpoint.load()

@@ -30,8 +30,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--from-key to --to-key through the service's batch rewrap: the plaintext never "
         "reaches this tool. Rows already under the target key are skipped; a row that fails "
         "is reported and left as it was. With --checkpoint a killed run resumes where it "
-        "stopped. Exit status: 0 done, 1 done with failed rows, 2 refused before starting, "
-        "3 stopped by an error (resume with the same command), 130/143 interrupted.",
+        "stopped, and once a table's run is complete the same command starts a new pass that "
+        "migrates rows written under --from-key since. Exit status: 0 done, 1 done with failed "
+        "rows, 2 refused before starting, 3 stopped by an error (resume with the same "
+        "command), 130/143 interrupted.",
     )
     parser.add_argument("--from-key", required=True, help="the key the tokens are under now")
     parser.add_argument("--to-key", required=True, help="the key to re-encrypt them under")

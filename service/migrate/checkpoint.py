@@ -8,6 +8,11 @@ kill between the commit and the next checkpoint neither re-does nor skips a page
 writes its output first and the checkpoint after; on resume the output is cut back to the
 checkpointed length.
 
+A complete checkpoint is not the end of a SQL migration: the application may have written
+rows under the old key meanwhile (a compare-and-set conflict, a writer not yet switched). The
+same command then starts pass N+1 over the whole table, from the start, under the same
+checkpoint; ``pass_number`` says which pass the counts and the position belong to.
+
 Each write replaces the file atomically (temporary file, fsync, rename).
 """
 
@@ -51,6 +56,7 @@ class State:
     pending: Snapshot | None = None
     witness: Any = None
     done: bool = False
+    pass_number: int = 1  # passes over the source under this checkpoint, this one included
 
 
 class CheckpointFile:
@@ -72,7 +78,12 @@ class CheckpointFile:
                 raise ValueError("unknown format")
             committed = Snapshot.from_json(data["committed"])
             pending = Snapshot.from_json(data["pending"]) if data.get("pending") else None
-            state = State(committed, pending, data.get("witness"), bool(data.get("done")))
+            pass_number = int(data.get("pass", 1))  # absent in checkpoints of earlier releases
+            if pass_number < 1:
+                raise ValueError(f"pass {pass_number}")
+            state = State(
+                committed, pending, data.get("witness"), bool(data.get("done")), pass_number
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise MigrationRefused(
                 f"{self.path} is not a migration checkpoint ({exc}); give another --checkpoint"
@@ -90,6 +101,7 @@ class CheckpointFile:
             "format": FORMAT,
             "binding": self.binding,
             "done": state.done,
+            "pass": state.pass_number,
             "committed": state.committed.to_json(),
             "pending": state.pending.to_json() if state.pending is not None else None,
             "witness": state.witness,

@@ -77,6 +77,7 @@ class _Record:
 
 
 class _FileSource:
+    repeatable = False
     kind = "file"
 
     def __init__(

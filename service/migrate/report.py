@@ -42,6 +42,7 @@ class Report:
             "status": status(result),
             "dry_run": self.dry_run,
             "resumed": result.resumed,
+            "pass": result.pass_number,
             "error": result.error,
             "signal": result.stopped,
             "source": self.source,
@@ -70,6 +71,9 @@ class Report:
         ]
         if result.already_complete:
             lines.append("  (the checkpoint says this migration is complete; nothing was read)")
+        elif result.pass_number > 1:
+            n = result.pass_number
+            lines.append(f"  pass        {n}: the table read again after the complete pass {n - 1}")
         lines += [
             f"  migrated    {total.migrated:,} {would}".rstrip(),
             f"  skipped     {total.skipped.total():,}{_reasons(total.skipped)}",

@@ -46,6 +46,7 @@ class Result:
     complete: bool  # the source was read to its end
     resumed: bool
     already_complete: bool = False
+    pass_number: int = 1  # the pass over the source under this checkpoint
     stopped: str | None = None  # the signal that ended the run early
     error: str | None = None  # why the run could not go on (RunStopped)
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, this run
@@ -98,8 +99,23 @@ class Migration:
                 state.committed = state.pending
             state.pending, state.witness = None, None
         if state.done:
-            total = state.committed.counts
-            return Result(total, Counts(), 0.0, True, True, already_complete=True)
+            if not self.source.repeatable:
+                total = state.committed.counts
+                return Result(
+                    total,
+                    Counts(),
+                    0.0,
+                    True,
+                    True,
+                    already_complete=True,
+                    pass_number=state.pass_number,
+                )
+            # The last pass completed, but rows written under the old key since (by writers not
+            # yet switched, or rewritten between read and update) are found only by reading
+            # again: a new pass from the first row, with fresh counts and failure log. Rows
+            # already under the target key are recognised and skipped; nothing is done twice.
+            state = State(Snapshot(None, Counts(), 0), pass_number=state.pass_number + 1)
+            resumed = False
         dry = self.options.dry_run
         if self.failures is not None and not dry:
             self.failures.open(state.committed.failures_offset if resumed else None)
@@ -125,6 +141,7 @@ class Migration:
             stopped=self.stop_reason if self.stopping else None,
             error=None if run.error is None else str(run.error),
             failures=run.listed,
+            pass_number=state.pass_number,
         )
 
 

@@ -23,6 +23,11 @@ Written = Callable[[Sequence[tuple[int, int]], Any], None]
 
 
 class Source(Protocol):
+    # Whether a later pass over the source can find work a complete pass left: true for a
+    # table (other writers change it), false for a file (its input never changes, and its
+    # output is written once).
+    repeatable: bool
+
     def identity(self) -> dict[str, Any]:
         """What the checkpoint is bound to (no secrets: a URL without its password)."""
         ...

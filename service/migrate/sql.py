@@ -70,6 +70,8 @@ def _as_aad(value: Any) -> bytes | None:
 
 
 class SqlSource:
+    repeatable = True
+
     def __init__(
         self,
         url: str,
