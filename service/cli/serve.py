@@ -6,6 +6,7 @@ import argparse
 import atexit
 import base64
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -286,7 +287,11 @@ def serve(args: argparse.Namespace) -> int:
     config = EdgeConfig(APP, edge=edge, **options)
     if settings.workers > 1:
         # One listening socket per worker: see service/cli/supervisor.py.
-        return Supervisor(config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5).run()
+        # Each worker installs the same logging first thing, as this process did above.
+        setup = functools.partial(configure_logging, settings.log_level, settings.access_log, "off")
+        return Supervisor(
+            config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5, setup=setup
+        ).run()
     sock = bind(settings.host, settings.port)
     # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
     # exit, so that re-raise ends the process with status 0 instead of 143.
