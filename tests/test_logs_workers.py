@@ -64,6 +64,11 @@ def test_two_workers_log_one_structured_line_per_request_and_every_start_line(
     for start_line in WORKER_START_LINES:
         found = [r for r in records if r["msg"].startswith(start_line)]
         assert len(found) == WORKERS, (start_line, found)
+    (starting,) = [r for r in records if r["msg"] == "cryptd starting"]
+    assert starting["mode"] == "development"
+    assert starting["workers"] == WORKERS
+    assert starting["tls_subject"] == "CN=cryptd development server"
+    assert starting["replay_store"].startswith("host directory ")
     tls = [r for r in records if r["msg"] == "TLS certificate loaded"]
     assert all(r["subject"] == "CN=cryptd development server" for r in tls)
     keyring_pids = {r["pid"] for r in records if r["msg"] == "keyring loaded"}
