@@ -33,6 +33,7 @@ from typing import Any, Literal
 from cryptography import x509
 
 from service.fileio import FileStamp, file_stamp
+from service.metrics import certificate
 
 log = logging.getLogger("cryptd.tls")
 
@@ -230,12 +231,14 @@ def certificate_info(cert_file: Path) -> CertificateInfo:
 
 
 def _describe(message: str, cert_file: Path) -> None:
-    """Log which certificate is in use (subject, names, expiry); warn when it has expired."""
+    """Log which certificate is in use (subject, names, expiry), warn when it has expired, and
+    give its expiry to the metrics (cryptd_tls_certificate_expiry_seconds)."""
     try:
         info = certificate_info(cert_file)
     except TLSFileError:
         log.info(message)
         return
+    certificate.served(info.not_after.timestamp())
     if info.expired():
         log.error(f"{message}, but it has EXPIRED: clients will refuse it", extra=info.fields())
     else:
