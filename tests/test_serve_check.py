@@ -153,7 +153,7 @@ def test_check_reports_every_file_and_store_problem_and_serves_nothing(tmp_path:
         problems[0] == f"CRYPTD_TLS_CERT_FILE {tmp_path / 'server.crt'}: no PEM certificate in it"
     )
     assert problems[1].startswith(f"CRYPTD_CLIENTS_FILE {tmp_path / 'clients.json'}")
-    assert problems[2].startswith("key store: ")
+    assert problems[2].startswith(f"no keyring in file {tmp_path / 'keyring.json'}")
     assert "cryptd keystore init" in problems[2]
     assert problems[3] == "CRYPTD_REDIS_URL redis://127.0.0.1:1/0: not reachable (ConnectionError)"
     assert problems[4].startswith(f"CRYPTD_AUDIT_LOG {tmp_path / 'missing-directory'}")
@@ -173,4 +173,4 @@ def test_check_reports_every_file_and_store_problem_and_serves_nothing(tmp_path:
     assert _cryptd(["master-key", "generate", "--out", "other.key"], {}, tmp_path).returncode == 0
     wrong_key = _cryptd(["serve", "--check"], env, tmp_path)
     assert wrong_key.returncode == 2
-    assert "key store: " in wrong_key.stderr
+    assert "cryptd: error: the keyring was written under master key" in wrong_key.stderr

@@ -115,7 +115,7 @@ def _key_store(settings: Settings, master_key: bytes | None, report: Report) -> 
     try:
         store = open_store(settings.keystore_url_value(), settings.keyring_file)
     except (ValueError, OSError, KeystoreError) as exc:
-        report.problems.append(f"key store: {exc}")
+        report.problems.append(str(exc))  # names the store and says what to do
         return location(settings.keystore_url_value() or str(settings.keyring_file))
     try:
         if master_key is not None:
@@ -125,7 +125,7 @@ def _key_store(settings: Settings, master_key: bytes | None, report: Report) -> 
             manager.load()
         return store.description
     except (ValueError, OSError, KeystoreError) as exc:
-        report.problems.append(f"key store: {exc}")
+        report.problems.append(str(exc))  # names the store and says what to do
         return store.description
     finally:
         store.close()

@@ -206,8 +206,8 @@ def _docs_problem(settings: Settings) -> str | None:
 
 def _refuse(problems: list[str]) -> int:
     """Print every problem of the configuration, one a line; the exit status."""
-    count = f"{len(problems)} problems" if len(problems) > 1 else "a problem"
-    print(f"cryptd: the configuration has {count}:", file=sys.stderr)
+    if len(problems) > 1:
+        print(f"cryptd: the configuration has {len(problems)} problems:", file=sys.stderr)
     for problem in problems:
         print(f"cryptd: error: {problem}", file=sys.stderr)
     return 2
