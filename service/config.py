@@ -74,7 +74,25 @@ class SettingsProblems(ValueError):
 def settings_problems(exc: ValidationError) -> list[str]:
     """``exc`` (from ``Settings()``) as plain sentences: a field's error names its variable,
     a validator's is its own text (without pydantic's "Value error," prefix). The input, which
-    may be a secret, is never quoted."""
+    may be a secret, is never quoted. pydantic checks the settings as a whole only once every
+    field is valid: when some are not, the whole is checked again with those fields at their
+    defaults, so that the missing and conflicting settings are reported in the same run."""
+    found = _problems_of(exc)
+    invalid = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+    if invalid:
+        defaults = {
+            name: Settings.model_fields[name].get_default(call_default_factory=True)
+            for name in invalid
+            if name in Settings.model_fields
+        }
+        try:
+            Settings(**defaults)
+        except ValidationError as again:
+            found.extend(p for p in _problems_of(again) if p not in found)
+    return found
+
+
+def _problems_of(exc: ValidationError) -> list[str]:
     found: list[str] = []
     for error in exc.errors(include_url=False, include_input=False):
         cause = (error.get("ctx") or {}).get("error")

@@ -8,6 +8,7 @@ import datetime
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pydantic
@@ -21,33 +22,40 @@ from service.config import Settings, settings_problems
 
 
 @pytest.fixture
-def no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def problems(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """The problems ``Settings()`` reports for exactly the ``CRYPTD_*`` variables given (by
+    field name), read from the environment as the server reads them."""
     for name in list(os.environ):
         if name.startswith("CRYPTD_"):
             monkeypatch.delenv(name)
 
+    def read(**env: str) -> list[str]:
+        for name, value in env.items():
+            monkeypatch.setenv(f"CRYPTD_{name.upper()}", value)
+        with pytest.raises(pydantic.ValidationError) as caught:
+            Settings()
+        return settings_problems(caught.value)
 
-def _problems(**env: object) -> list[str]:
-    with pytest.raises(pydantic.ValidationError) as caught:
-        Settings(**env)  # type: ignore[arg-type]
-    return settings_problems(caught.value)
+    return read
 
 
-@pytest.mark.usefixtures("no_settings")
-def test_three_missing_settings_are_named_at_once_in_plain_words() -> None:
-    problems = _problems()
-    assert len(problems) == 3, problems
-    master, clients, tls = problems
+def test_three_missing_settings_are_named_at_once_in_plain_words(
+    problems: Callable[..., list[str]],
+) -> None:
+    found = problems()
+    assert len(found) == 3, found
+    master, clients, tls = found
     assert master.startswith("no master key: set CRYPTD_MASTER_KEY_FILE")
     assert "cryptd master-key generate" in master
     assert clients.startswith("no API clients: set CRYPTD_CLIENTS_FILE")
     assert tls.startswith("TLS is required: set CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE")
-    assert not [p for p in problems if "Value error" in p or "validation error" in p]
+    assert not [p for p in found if "Value error" in p or "validation error" in p]
 
 
-@pytest.mark.usefixtures("no_settings")
-def test_conflicts_and_weak_settings_are_reported_together() -> None:
-    problems = _problems(
+def test_conflicts_and_weak_settings_are_reported_together(
+    problems: Callable[..., list[str]],
+) -> None:
+    found = problems(
         master_key="x",
         clients_file="clients.json",
         keystore_url="postgresql://cryptd:pw@db.example:5432/keys",
@@ -56,23 +64,38 @@ def test_conflicts_and_weak_settings_are_reported_together() -> None:
         tls_cert_file="server.crt",
         workers="2",
     )
-    assert len(problems) == 4, problems
-    assert problems[0].startswith("CRYPTD_WORKERS=2 needs a replay store every worker shares")
-    assert problems[1].startswith("CRYPTD_KEYSTORE_URL reaches db.example without TLS")
-    assert problems[2].startswith("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
-    assert problems[3] == "CRYPTD_TLS=off, yet CRYPTD_TLS_*_FILE are set: choose one"
-    assert not [p for p in problems if "pw@" in p]
+    assert len(found) == 4, found
+    assert found[0].startswith("CRYPTD_WORKERS=2 needs a replay store every worker shares")
+    assert found[1].startswith("CRYPTD_KEYSTORE_URL reaches db.example without TLS")
+    assert found[2].startswith("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
+    assert found[3] == "CRYPTD_TLS=off, yet CRYPTD_TLS_*_FILE are set: choose one"
+    assert not [p for p in found if "pw@" in p]
 
 
-@pytest.mark.usefixtures("no_settings")
-def test_a_field_error_names_its_variable_and_never_quotes_the_value() -> None:
-    problems = _problems(env="development", port="99999", executors={"rsa-2048": "nowhere"})
-    assert problems[0] == "CRYPTD_PORT: Input should be less than or equal to 65535"
-    assert problems[1].startswith("CRYPTD_EXECUTORS[rsa-2048]: Input should be 'inline'")
-    assert not [p for p in problems if "99999" in p or "nowhere" in p]
+def test_a_field_error_names_its_variable_and_never_quotes_the_value(
+    problems: Callable[..., list[str]],
+) -> None:
+    found = problems(env="development", port="99999", executors='{"rsa-2048": "nowhere"}')
+    assert found[0] == "CRYPTD_PORT: Input should be less than or equal to 65535"
+    assert found[1].startswith("CRYPTD_EXECUTORS[rsa-2048]: Input should be 'inline'")
+    assert len(found) == 2, found
+    assert not [p for p in found if "99999" in p or "nowhere" in p]
+
+
+def test_an_invalid_value_and_a_missing_setting_are_reported_together(
+    problems: Callable[..., list[str]],
+) -> None:
+    assert problems(port="0", clients_file="clients.json", tls="off") == [
+        "CRYPTD_PORT: Input should be greater than or equal to 1",
+        "no master key: set CRYPTD_MASTER_KEY_FILE to a file holding one (make it with "
+        "`cryptd master-key generate --out master.key`), or CRYPTD_MASTER_KEY",
+    ]
+
+
+def test_a_url_error_is_said_once_without_the_url(problems: Callable[..., list[str]]) -> None:
     secret = "postgres-secret-value"
-    (url_problem,) = _problems(env="development", keystore_url=f"mysql://u:{secret}@h/db")
-    assert url_problem == "CRYPTD_KEYSTORE_URL must be a postgresql:// URL"
+    found = problems(env="development", keystore_url=f"mysql://u:{secret}@h/db")
+    assert found == ["CRYPTD_KEYSTORE_URL must be a postgresql:// URL"]
 
 
 def _cryptd(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
