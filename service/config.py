@@ -10,7 +10,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cpus import available_cpus
@@ -72,6 +72,53 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
 DEFAULT_DELETION_WAITING_PERIOD = 7 * 86400  # AWS KMS's shortest waiting period
 
 
+class SettingsProblems(ValueError):
+    """Every missing, conflicting or weak setting found at once, one sentence each saying what
+    to set."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def settings_problems(exc: ValidationError) -> list[str]:
+    """``exc`` (from ``Settings()``) as plain sentences: a field's error names its variable,
+    a validator's is its own text (without pydantic's "Value error," prefix). The input, which
+    may be a secret, is never quoted. pydantic checks the settings as a whole only once every
+    field is valid: when some are not, the whole is checked again with those fields at their
+    defaults, so that the missing and conflicting settings are reported in the same run."""
+    found = _problems_of(exc)
+    invalid = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+    if invalid:
+        defaults = {
+            name: Settings.model_fields[name].get_default(call_default_factory=True)
+            for name in invalid
+            if name in Settings.model_fields
+        }
+        try:
+            Settings(**defaults)
+        except ValidationError as again:
+            found.extend(p for p in _problems_of(again) if p not in found)
+    return found
+
+
+def _problems_of(exc: ValidationError) -> list[str]:
+    found: list[str] = []
+    for error in exc.errors(include_url=False, include_input=False):
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, SettingsProblems):
+            found.extend(cause.problems)
+            continue
+        message = str(cause) if isinstance(cause, ValueError) else error["msg"]
+        field, *rest = [str(part) for part in error["loc"]] or [""]
+        if field:
+            name = "CRYPTD_" + field.upper() + "".join(f"[{part}]" for part in rest)
+            if not message.startswith(name):
+                message = f"{name}: {message}"
+        found.append(message)
+    return found
+
+
 SealKind = Literal["static", "pkcs11", "shamir"]
 
 
@@ -101,15 +148,21 @@ class SealSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _seal_consistent(self) -> SealSettings:
+        # Settings reports these with its other problems, all at once (_refuse_weak).
+        if type(self) is SealSettings and (problems := self._seal_problems()):
+            raise SettingsProblems(problems)
+        return self
+
+    def _seal_problems(self) -> list[str]:
         if self.seal == "static":
-            return self
+            return []
         if self.master_key is not None or self.master_key_file is not None:
-            raise ValueError(
+            return [
                 f"CRYPTD_SEAL={self.seal} keeps the master key sealed: unset CRYPTD_MASTER_KEY "
                 "and CRYPTD_MASTER_KEY_FILE (the key must not be in the environment or on disk)"
-            )
+            ]
         if self.seal == "shamir":
-            return self
+            return []
         missing = [
             name
             for name, value in (
@@ -120,8 +173,8 @@ class SealSettings(BaseSettings):
             if not value
         ]
         if missing:
-            raise ValueError(f"CRYPTD_SEAL=pkcs11 needs {', '.join(missing)}")
-        return self
+            return [f"CRYPTD_SEAL=pkcs11 needs {', '.join(missing)}"]
+        return []
 
     def load_master_key(self) -> bytes:
         """Return the 32-byte master key from the variable or the file; refuse anything else."""
@@ -305,56 +358,74 @@ class Settings(SealSettings):
         return self
 
     @model_validator(mode="after")
-    def _refuse_unshared_replay_store(self) -> Settings:
+    def _refuse_weak(self) -> Settings:
+        # Every problem at once: an operator learns all the settings to fix from one start.
+        problems = [
+            *self._seal_problems(),
+            *self._replay_problems(),
+            *self._production_problems(),
+            *self._tls_problems(),
+        ]
+        if problems:
+            raise SettingsProblems(problems)
+        return self
+
+    def _replay_problems(self) -> list[str]:
         # In development too: each worker's own memory would accept a replay once per worker.
         if self.workers > 1 and self.redis_url is None and self.replay_dir is None:
-            raise ValueError(
+            return [
                 f"CRYPTD_WORKERS={self.workers} needs a replay store every worker shares: "
                 "set CRYPTD_REPLAY_DIR (cryptd serve does) or CRYPTD_REDIS_URL, or run one "
                 "worker (CRYPTD_WORKERS=1)"
-            )
-        return self
+            ]
+        return []
 
-    @model_validator(mode="after")
-    def _refuse_weak_production(self) -> Settings:
+    def _production_problems(self) -> list[str]:
         if self.env == "development":
-            return self
+            return []
+        problems = []
         if self.seal == "static" and self.master_key is None and self.master_key_file is None:
-            raise ValueError("CRYPTD_MASTER_KEY or CRYPTD_MASTER_KEY_FILE is required")
+            problems.append(
+                "no master key: set CRYPTD_MASTER_KEY_FILE to a file holding one (make it with "
+                "`cryptd master-key generate --out master.key`), or CRYPTD_MASTER_KEY"
+            )
         if self.clients_file is None:
-            raise ValueError("CRYPTD_CLIENTS_FILE is required outside development")
+            problems.append(
+                "no API clients: set CRYPTD_CLIENTS_FILE to the clients file (make it with "
+                "`cryptd clients add NAME --allow 'KEYS:OPERATIONS' --file clients.json`); "
+                "required outside development"
+            )
         if (url := self.keystore_url_value()) is not None and (weak := _weak_tls(url)):
-            raise ValueError(
+            problems.append(
                 f"CRYPTD_KEYSTORE_URL reaches {weak} without TLS verification: add "
                 "sslmode=verify-full (and sslrootcert=...) to the URL, or sslmode=disable "
                 "if the network itself is trusted (a service mesh)"
             )
         if self.replay_fail_open and self.redis_url is None:
-            raise ValueError("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL")
-        return self
+            problems.append("CRYPTD_REPLAY_FAIL_OPEN only applies with CRYPTD_REDIS_URL: unset it")
+        return problems
 
-    @model_validator(mode="after")
-    def _check_tls(self) -> Settings:
+    def _tls_problems(self) -> list[str]:
         files = (self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         if self.tls == "off":
             if any(path is not None for path in files):
-                raise ValueError("CRYPTD_TLS=off, yet CRYPTD_TLS_*_FILE are set: choose one")
-            return self
+                return ["CRYPTD_TLS=off, yet CRYPTD_TLS_*_FILE are set: choose one"]
+            return []
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE go together")
+            return ["CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE go together: set both"]
         if self.tls_cert_file is None:
             if self.tls_client_ca_file is not None:
-                raise ValueError(
+                return [
                     "CRYPTD_TLS_CLIENT_CA_FILE (mutual TLS) needs CRYPTD_TLS_CERT_FILE and "
                     "CRYPTD_TLS_KEY_FILE"
-                )
+                ]
             if self.tls == "on" or self.env != "development":
-                raise ValueError(
-                    "TLS is required: set CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE, or "
-                    "CRYPTD_TLS=off on purpose where a proxy or mesh sidecar in front of "
-                    "cryptd terminates TLS"
-                )
-        return self
+                return [
+                    "TLS is required: set CRYPTD_TLS_CERT_FILE and CRYPTD_TLS_KEY_FILE "
+                    "(docs/DEPLOY.md says how to make them), or CRYPTD_TLS=off on purpose "
+                    "where a proxy or mesh sidecar in front of cryptd terminates TLS"
+                ]
+        return []
 
 
 _LOCAL_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "[::1]"})

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import Metrics
+from service.metrics import Metrics, certificate
 
 MONITORING = Path(__file__).resolve().parents[1] / "k8s" / "monitoring"
 # Labels Prometheus adds to every scraped series (ServiceMonitor target labels).
@@ -38,8 +39,15 @@ def exported() -> dict[str, set[str]]:
     metrics.queue_wait(0.001)
     metrics.keyring_reload(True)
     metrics.key_change_propagated(0.01, complete=False)
+    metrics.store_up("replay", True)
+    metrics.audit_write_failures(1)
+    certificate.served(time.time() + 86400)  # as a server serving TLS does
+    try:
+        body = metrics.render()[0].decode()
+    finally:
+        certificate.served(None)
     found: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(metrics.render()[0].decode()):
+    for family in text_string_to_metric_families(body):
         for sample in family.samples:
             found.setdefault(sample.name, set()).update(sample.labels)
     return found
@@ -138,6 +146,10 @@ def test_rule_file_is_a_prometheus_operator_rule() -> None:
         "CryptdErrorRatioHigh",
         "CryptdWorkQueueSaturated",
         "CryptdAuthFailureSpike",
+        "CryptdCertificateExpiresSoon",
+        "CryptdReplayStoreUnavailable",
+        "CryptdKeyStoreUnavailable",
+        "CryptdAuditWriteFailures",
     ):
         assert name in alerts
     for rule in alerts.values():

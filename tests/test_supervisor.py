@@ -193,9 +193,12 @@ def test_a_worker_that_cannot_start_stops_the_server(
     monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare_dev_dir sets variables
     prepare_dev_dir(tmp_path / "dev", "http://127.0.0.1:0")
     env = dict(os.environ)
-    # Each worker opens the audit file; the supervisor does not (a bad keyring fails earlier,
-    # in the command itself: below).
-    env["CRYPTD_AUDIT_LOG"] = str(tmp_path / "missing-directory" / "audit.log")
+    # Each worker opens the audit file; the supervisor only checks that its directory takes a
+    # new file (a missing directory or a bad keyring fails earlier, in the command itself:
+    # below). A symlink into a missing directory passes that look and fails in every worker.
+    audit = tmp_path / "audit.log"
+    audit.symlink_to(tmp_path / "missing-directory" / "audit.log")
+    env["CRYPTD_AUDIT_LOG"] = str(audit)
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--port", str(free_port()), "--workers", "2"],
@@ -235,7 +238,7 @@ def test_a_keyring_that_fails_verification_stops_the_start_in_one_line(
         timeout=60,
         check=False,
     )
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]  # a configuration problem
     assert expected in result.stderr, result.stderr[-2000:]
     assert b"Traceback" not in result.stderr
     assert b"server worker" not in result.stderr  # refused before any worker started

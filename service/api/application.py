@@ -94,10 +94,18 @@ def _executors(
     return by_kind
 
 
-async def _every(interval: float, what: str, action: Callable[[], Awaitable[None]]) -> None:
-    """Run ``action`` every ``interval`` seconds until cancelled, whatever it raises."""
+STORE_CHECK_INTERVAL = 5.0  # seconds between looks at the stores' availability (metrics)
+
+
+async def _every(
+    interval: float, what: str, action: Callable[[], Awaitable[None]], *, first: bool = False
+) -> None:
+    """Run ``action`` every ``interval`` seconds until cancelled, whatever it raises (with
+    ``first``, also once right away)."""
+    delay = 0.0 if first else interval
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(delay)
+        delay = interval
         try:
             await action()
         except Exception as exc:
@@ -232,6 +240,12 @@ def create_app(
                 stats.queued, stats.in_flight, executor=kind, max_pending=stats.max_pending
             )
 
+    async def publish_store_gauges() -> None:
+        # cryptd_store_up for the alert rules (k8s/monitoring): the key store as the watcher
+        # last found it, the replay store by a ping.
+        metrics.store_up("key", manager.store_unreachable is None)
+        metrics.store_up("replay", await auth.replay.ping())
+
     async def run_due_work() -> None:
         # Cheap when nothing is due (a look at the snapshot); the work runs in a thread, in
         # one process of all replicas (the store's lock): automatic rotations, and the
@@ -261,6 +275,9 @@ def create_app(
         watcher.start()
         tasks = [
             asyncio.create_task(_every(1.0, "pool gauges", publish_pool_gauges)),
+            asyncio.create_task(
+                _every(STORE_CHECK_INTERVAL, "store gauges", publish_store_gauges, first=True)
+            ),
             asyncio.create_task(
                 _every(settings.auto_rotate_check_interval, "scheduled key work", run_due_work)
             ),

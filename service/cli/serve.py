@@ -6,6 +6,7 @@ import argparse
 import atexit
 import base64
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -19,16 +20,18 @@ from types import FrameType
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from service.auth.clients import generate_secret, write_document
 from service.auth.replay_host import HostReplayStore
+from service.cli import preflight
 from service.cli.supervisor import Supervisor
-from service.config import Settings, decode_master_key
+from service.config import Settings, decode_master_key, settings_problems
 from service.crypto.registry import KEY_TYPES
 from service.edge.devcerts import ensure_dev_tls
 from service.edge.protocol import EdgeLimits
 from service.edge.server import STARTUP_FAILURE, EdgeConfig, EdgeServer, bind
-from service.edge.tls import TLSFactory, TLSFiles, server_context
+from service.edge.tls import TLSFactory, TLSFiles
 from service.fileio import atomic_write
 from service.keys.admin import TargetNotEmpty, initialise, prepare
 from service.keys.manager import KeyManager
@@ -36,7 +39,6 @@ from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore
 from service.logs import configure_logging
 from service.metrics import init_multiprocess_dir
-from service.seal import open_seal, unseal_once
 from service.stores import open_store
 
 log = logging.getLogger("cryptd")
@@ -121,18 +123,6 @@ def _dev_keyring(store: KeyStore, master: MasterKey) -> None:
         manager.create(type_name, type_name, deletion_allowed=True)
 
 
-def _verify_key_store(settings: Settings, master_key: bytes) -> None:
-    """Load and verify the keyring once before any worker does, as each worker will: a
-    keyring that fails verification, a wrong master key, another deployment's store or an
-    unreachable one stops the start here with one line saying why (KeystoreError), instead of
-    a traceback from every worker. Read only: nothing is written."""
-    store = open_store(settings.keystore_url_value(), settings.keyring_file)
-    try:
-        KeyManager(store, MasterKey(master_key), expected_deployment=settings.keystore_id).load()
-    finally:
-        store.close()
-
-
 def _prepare_metrics_dir(settings: Settings) -> None:
     """Several processes (server workers, pool workers) need prometheus-client's multiprocess
     mode: a directory, emptied of a previous run's files before any worker starts."""
@@ -200,17 +190,32 @@ def _open_replay_store(settings: Settings, dev_created: bool) -> None:
     store.close()
 
 
-def _check_docs_assets(settings: Settings) -> None:
+def _docs_problem(settings: Settings) -> str | None:
     """CRYPTD_DOCS=true needs the docs extra: one error line here rather than the app
     factory's traceback in every worker."""
     if settings.docs is not True:
-        return
+        return None
     from service.api.docs import DocsUnavailable, assets_directory
 
     try:
         assets_directory()
     except DocsUnavailable as exc:
-        raise ValueError(f"CRYPTD_DOCS=true: {exc}") from None
+        return f"CRYPTD_DOCS=true: {exc}"
+    return None
+
+
+def _refuse(problems: list[str]) -> int:
+    """Print every problem of the configuration, one a line; the exit status."""
+    if len(problems) > 1:
+        print(f"cryptd: the configuration has {len(problems)} problems:", file=sys.stderr)
+    for problem in problems:
+        print(f"cryptd: error: {problem}", file=sys.stderr)
+    return 2
+
+
+def _summary(start: dict[str, Any]) -> str:
+    """The start line's fields for a person: ``mode production, workers 2, tls on, ...``."""
+    return ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in start.items())
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
@@ -242,18 +247,31 @@ def serve(args: argparse.Namespace) -> int:
         dev_created = prepare_dev_dir(directory, f"{scheme}://{host}:{port}", ca_file)
     _prepare_replay_dir(dev_directory)
     _prepare_runtime_dir()
-    # Validate now, so a bad configuration fails here, not in every worker.
-    settings = Settings()
-    _check_docs_assets(settings)
-    if settings.seal == "shamir":
-        open_seal(settings).close()  # starts sealed; the split's seal file must be there
-    else:
-        _verify_key_store(settings, unseal_once(settings))
+    # Validate now, so a bad configuration fails here with all its problems at once, not in
+    # every worker with the first one.
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        return _refuse(settings_problems(exc))
+    report = preflight.check(settings, reach_redis=args.check)
+    docs_problem = _docs_problem(settings)
+    if docs_problem:
+        report.problems.append(docs_problem)
+    if not report.problems:
+        try:
+            _open_replay_store(settings, dev_created)
+        except (ValueError, OSError) as exc:
+            report.problems.append(f"CRYPTD_REPLAY_DIR {settings.replay_dir}: {exc}")
+    if report.problems:
+        return _refuse(report.problems)
+    if args.check:
+        print(f"cryptd: configuration OK: {_summary(report.start)}", file=sys.stderr)
+        return 0
     # Every worker sees the count the supervisor starts (and sizes its pool by it).
     os.environ["CRYPTD_WORKERS"] = str(settings.workers)
-    _open_replay_store(settings, dev_created)
     _prepare_metrics_dir(settings)
     configure_logging(settings.log_level, settings.access_log, "off")
+    log.info("cryptd starting", extra=report.start)
     if settings.tls == "off":
         log.warning(
             "TLS is off (CRYPTD_TLS=off): requests, plaintexts and data keys cross the network "
@@ -283,14 +301,17 @@ def serve(args: argparse.Namespace) -> int:
     )
     cert_file, key_file = settings.tls_cert_file, settings.tls_key_file
     if cert_file is not None and key_file is not None:
+        # Each worker builds its contexts from the files (and watches them); checked above.
         files = TLSFiles(cert_file, key_file, settings.tls_client_ca_file, settings.tls_client_cert)
-        # Each worker builds its contexts from the files (and watches them): fail here first.
-        server_context(files)
         options["ssl_context_factory"] = TLSFactory(files)
     config = EdgeConfig(APP, edge=edge, **options)
     if settings.workers > 1:
         # One listening socket per worker: see service/cli/supervisor.py.
-        return Supervisor(config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5).run()
+        # Each worker installs the same logging first thing, as this process did above.
+        setup = functools.partial(configure_logging, settings.log_level, settings.access_log, "off")
+        return Supervisor(
+            config, settings.workers, grace=GRACEFUL_SHUTDOWN_SECONDS + 5, setup=setup
+        ).run()
     sock = bind(settings.host, settings.port)
     # uvicorn re-raises the SIGTERM it handled once the drain is over; a clean drain is a clean
     # exit, so that re-raise ends the process with status 0 instead of 143.
@@ -314,5 +335,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="HTTPS; with --dev, a development CA and server certificate in the dev directory "
         "(client.json gets an https:// URL and ca_file); without, CRYPTD_TLS=on",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the configuration (settings, master key, TLS files, clients file, key "
+        "store, Redis) without serving: every problem at once; exit status 0 when it would "
+        "start, 2 when not",
     )
     parser.set_defaults(func=serve)

@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -82,10 +83,18 @@ def _children() -> set[int]:
     return found
 
 
-def run_worker(config: uvicorn.Config, index: int = 0) -> None:
+def run_worker(
+    config: uvicorn.Config, index: int = 0, setup: Callable[[], object] | None = None
+) -> None:
     """One server worker (in its own process): its own socket, then uvicorn as usual.
-    ``index``: 0 .. workers - 1, taken over by the worker that replaces a dead one."""
+    ``index``: 0 .. workers - 1, taken over by the worker that replaces a dead one.
+    ``setup``: the process's logging, run first (a spawned process starts with none: its start
+    lines, such as the TLS certificate's, would be lost and uvicorn's access logger would
+    write through the root handler the app installs later)."""
     os.environ[WORKER_INDEX_VARIABLE] = str(index)
+    if setup is not None:
+        setup()
+    config.configure_logging()  # what uvicorn's own supervisor does in every worker
     # A SIGHUP passed on while this worker still starts must not end it (the default action);
     # the app installs its keyring-reload handler at startup, and loads the keyring then anyway.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -93,9 +102,18 @@ def run_worker(config: uvicorn.Config, index: int = 0) -> None:
 
 
 class Supervisor:
-    def __init__(self, config: uvicorn.Config, workers: int, *, grace: float) -> None:
-        """``grace``: how long stopping workers may drain before they are killed."""
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        workers: int,
+        *,
+        grace: float,
+        setup: Callable[[], object] | None = None,
+    ) -> None:
+        """``grace``: how long stopping workers may drain before they are killed; ``setup``:
+        picklable, run first in every worker (its logging)."""
         self.config = config
+        self.setup = setup
         self.workers = workers
         self.grace = grace
         self._stop = threading.Event()
@@ -140,7 +158,9 @@ class Supervisor:
         return 1 if failed else 0
 
     def _start(self, index: int) -> BaseProcess:
-        process = self._context.Process(target=run_worker, args=(self.config, index), daemon=False)
+        process = self._context.Process(
+            target=run_worker, args=(self.config, index, self.setup), daemon=False
+        )
         process.start()
         return process
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from cryptography import x509
 
 from service.fileio import FileStamp, file_stamp
+from service.metrics import certificate
 
 log = logging.getLogger("cryptd.tls")
 
@@ -193,28 +194,55 @@ class ServerTLS:
         return True
 
 
-def _describe(message: str, cert_file: Path) -> None:
-    """Log which certificate is in use (subject, names, expiry); warn when it has expired."""
+@dataclass(frozen=True, slots=True)
+class CertificateInfo:
+    """What operators need to know of the served certificate (its first in the chain)."""
+
+    subject: str
+    dns_names: tuple[str, ...]
+    not_after: datetime.datetime  # UTC
+
+    def expired(self, now: datetime.datetime | None = None) -> bool:
+        return self.not_after <= (now or datetime.datetime.now(datetime.UTC))
+
+    def fields(self) -> dict[str, str]:
+        """For a log line."""
+        return {
+            "subject": self.subject,
+            "dns_names": ",".join(self.dns_names),
+            "not_after": self.not_after.isoformat(),
+        }
+
+
+def certificate_info(cert_file: Path) -> CertificateInfo:
+    """The subject, DNS names and expiry of the first certificate in ``cert_file``. Raises
+    :class:`TLSFileError` if it does not load."""
+    what = f"CRYPTD_TLS_CERT_FILE {cert_file}"
     try:
-        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
-    except (OSError, ValueError):
-        log.info(message)
-        return
+        cert = x509.load_pem_x509_certificate(_read(cert_file, what))
+    except ValueError:
+        raise TLSFileError(f"{what}: no PEM certificate in it") from None
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        dns = names.get_values_for_type(x509.DNSName)
+        dns = tuple(names.get_values_for_type(x509.DNSName))
     except x509.ExtensionNotFound:
-        dns = []
-    not_after = cert.not_valid_after_utc
-    details = {
-        "subject": cert.subject.rfc4514_string(),
-        "dns_names": ",".join(dns),
-        "not_after": not_after.isoformat(),
-    }
-    if not_after <= datetime.datetime.now(datetime.UTC):
-        log.error(f"{message}, but it has EXPIRED: clients will refuse it", extra=details)
+        dns = ()
+    return CertificateInfo(cert.subject.rfc4514_string(), dns, cert.not_valid_after_utc)
+
+
+def _describe(message: str, cert_file: Path) -> None:
+    """Log which certificate is in use (subject, names, expiry), warn when it has expired, and
+    give its expiry to the metrics (cryptd_tls_certificate_expiry_seconds)."""
+    try:
+        info = certificate_info(cert_file)
+    except TLSFileError:
+        log.info(message)
+        return
+    certificate.served(info.not_after.timestamp())
+    if info.expired():
+        log.error(f"{message}, but it has EXPIRED: clients will refuse it", extra=info.fields())
     else:
-        log.info(message, extra=details)
+        log.info(message, extra=info.fields())
 
 
 @dataclass

@@ -49,6 +49,8 @@ class LogSetup:
 _current: LogSetup | None = None
 
 _URL_LOGGERS = ("httpx", "httpcore", "urllib3")
+# uvicorn's plain-text access line: cryptd writes its own (service/logs/access.py) or none.
+_SERVER_ACCESS_LOGGER = "uvicorn.access"
 
 
 def configure_logging(
@@ -62,7 +64,8 @@ def configure_logging(
     off or when ``level`` hides info lines) and the audit stream (``"stderr"``, ``"off"`` or a
     file path, opened append-only, mode 0600). Calling it again replaces the previous setup.
 
-    Call it in every process that logs (each server worker; pool workers log little and may
+    Call it in every process that logs, first thing (each server worker before its
+    configuration loads, as the TLS files are loaded then; pool workers log little and may
     inherit it through fork). Servers should not install their own access log or handlers
     (uvicorn: ``log_config=None, access_log=False``).
     """
@@ -91,6 +94,11 @@ def configure_logging(
     root.setLevel(numeric)
     for name in _URL_LOGGERS:  # they log full URLs, query strings included, at info and debug
         logging.getLogger(name).setLevel(max(numeric, logging.WARNING))
+    # A logger that reaches no handler makes uvicorn skip its access line (and the cost of
+    # formatting it) for every request; through the root handler it would be a second line.
+    server_access = logging.getLogger(_SERVER_ACCESS_LOGGER)
+    server_access.handlers.clear()
+    server_access.propagate = False
     access = AccessLog(stderr) if access_log and numeric <= logging.INFO else None
     _current = LogSetup(access_log=access, audit=audit, writers=writers)
     return _current

@@ -30,8 +30,10 @@ from prometheus_client import (
 
 from service.metrics import definitions, multiproc
 from service.metrics.batch import LoopBatch
+from service.metrics.certificate import CertificateCollector
 from service.metrics.exposition import ScrapeTimeCollector, Totals, render_directory
 from service.metrics.labels import OTHER, KeyLabels
+from service.metrics.process import ProcessCollector, register_process
 from service.metrics.window import DEFAULT_SLOTS, SeriesKey, SlidingWindow, merge
 
 log = logging.getLogger("cryptd.metrics")
@@ -99,7 +101,10 @@ class Metrics:
                 else:
                     self._registry.register(family)
             self._registry.register(ScrapeTimeCollector(self._local_windows, window_seconds))
+            self._registry.register(ProcessCollector(lambda: [os.getpid()]))
+            self._registry.register(CertificateCollector())
         else:
+            register_process(self.multiprocess_dir)
             _close_at_exit(self)
         _forget_parent_after_fork(self)
 
@@ -211,6 +216,14 @@ class Metrics:
         if self.enabled:
             self._child(self._families.keyring_reloads, "ok" if ok else "error").inc()
 
+    def store_up(self, store: str, up: bool) -> None:
+        """Whether ``store`` ("key" or "replay") answered this process's last look."""
+        if not self.enabled:
+            return
+        if store not in definitions.STORES:
+            raise ValueError(f"unknown store {store!r}")
+        self._child(self._families.store_up, store).set(1 if up else 0)
+
     # -- exposition -------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
@@ -281,6 +294,8 @@ class Metrics:
         self._series_lock = threading.Lock()
         if self._publisher is not None:
             self._publisher.after_fork()
+        if self.enabled and self.multiprocess_dir is not None:
+            register_process(self.multiprocess_dir)
 
 
 _instances: dict[tuple[int, bool, float, Path | None, int], Metrics] = {}

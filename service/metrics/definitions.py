@@ -38,6 +38,17 @@ USAGE_FLUSHES = "cryptd_usage_flushes"
 AUDIT_WRITE_FAILURES = "cryptd_audit_write_failures"  # exported with _total
 KEY_CHANGE_PROPAGATION = "cryptd_key_change_propagation_seconds"
 BUILD_INFO = "cryptd_build_info"
+# Audit records that could not be written (the audit module increments it).
+# 1 while a store answers, 0 while it does not: store="key" or "replay".
+STORE_UP = "cryptd_store_up"
+STORES = frozenset({"key", "replay"})
+# Scrape time (process.py, certificate.py).
+PROCESS_CPU = "cryptd_process_cpu_seconds"  # exported with _total
+PROCESS_RESIDENT_MEMORY = "cryptd_process_resident_memory_bytes"
+PROCESS_OPEN_FDS = "cryptd_process_open_fds"
+PROCESS_MAX_FDS = "cryptd_process_max_fds"
+PROCESS_START_TIME = "cryptd_process_start_time_seconds"
+TLS_CERTIFICATE_EXPIRY = "cryptd_tls_certificate_expiry_seconds"
 
 # Counters read from a histogram's _count at scrape time: histogram -> (counter, help).
 DERIVED_TOTALS: dict[str, tuple[str, str]] = {
@@ -68,6 +79,7 @@ class Families:
     usage_flushes: Counter
     audit_write_failures: Counter
     key_change_propagation: Histogram
+    store_up: Gauge
 
 
 def create_families(registry: CollectorRegistry | None) -> Families:
@@ -158,6 +170,15 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             " outcome confirmed (every live replica did) or incomplete (the timeout passed).",
             ("outcome",),
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ),
+        # livemin: a store is down for the service as soon as one live worker cannot reach it.
+        store_up=Gauge(
+            STORE_UP,
+            "1 while the store answers this process, 0 while it does not (store: key, replay);"
+            " the minimum over the live workers.",
+            ("store",),
+            multiprocess_mode="livemin",
             registry=registry,
         ),
     )

@@ -16,6 +16,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from service import __version__
 from service.metrics import definitions as names
 from service.metrics import multiproc
+from service.metrics.certificate import CertificateCollector
+from service.metrics.process import ProcessCollector, registered_processes
 from service.metrics.window import DEFAULT_SLOTS, SeriesKey, SeriesWindow, merge
 
 WindowSource = Callable[[], Mapping[SeriesKey, SeriesWindow]]
@@ -134,4 +136,6 @@ def render_directory(path: Path, *, window_seconds: float = 60.0) -> tuple[bytes
         )
 
     registry.register(ScrapeTimeCollector(windows, window_seconds))
+    registry.register(ProcessCollector(lambda: registered_processes(path)))
+    registry.register(CertificateCollector())
     return generate_latest(registry), CONTENT_TYPE_LATEST

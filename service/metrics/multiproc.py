@@ -39,6 +39,7 @@ _METRIC_FILE = re.compile(r"(counter|histogram|summary|gauge_[a-z]+)_\d+\.db\Z")
 _WINDOW_FILE = re.compile(r"window_(\d+)\.json\Z")
 _WINDOW_TEMP = re.compile(r"\.window_\d+\.tmp\Z")
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db\Z")
+_PROCESS_MARKER = re.compile(r"process_\d+\Z")  # service/metrics/process.py
 KEY_LABELS_FILE = "key_labels.txt"  # service/metrics/labels.py: this run's labelled keys
 
 _activated: Path | None = None
@@ -59,6 +60,7 @@ def init_multiprocess_dir(path: Path) -> None:
             or _WINDOW_FILE.match(name)
             or _WINDOW_TEMP.match(name)
             or name == KEY_LABELS_FILE
+            or _PROCESS_MARKER.match(name)
         ):
             entry.unlink(missing_ok=True)
     os.environ[ENV_VAR] = str(path)
