@@ -33,20 +33,7 @@ from loadtest.faults_load import Load, ReplayResult, check_integrity, replay
 from loadtest.faults_report import PhaseResult, render
 from loadtest.faults_revocation import Revocation
 from loadtest.phase import rsa_sign_us
-from loadtest.testbed import (
-    APPS,
-    DEFAULT_PREFIX,
-    DEFAULT_RUN_DIR,
-    DEFAULT_SUBNET,
-    REDIS_SERVICE,
-    Bed,
-    down,
-    host_ready,
-    lb_servers,
-    redis_client,
-    up,
-    wait_for,
-)
+from loadtest.testbed import down, up
 from loadtest.testbed_faults import (
     cut_links,
     fill_disk,
@@ -60,6 +47,15 @@ from loadtest.testbed_faults import (
     step_clock,
 )
 from loadtest.testbed_net import BedError
+from loadtest.testbed_services import host_ready, lb_servers, redis_client, wait_for
+from loadtest.testbed_topology import (
+    APPS,
+    DEFAULT_PREFIX,
+    DEFAULT_RUN_DIR,
+    DEFAULT_SUBNET,
+    REDIS_SERVICE,
+    Bed,
+)
 
 # Requests younger than this may still pass a host's age check (signature_max_age 300 s plus
 # a margin for a host whose clock is ahead); EARLIER_SAMPLE of them are replayed again.

@@ -182,7 +182,9 @@ class Load:
                         c.sign_batch(SIGN_KEY, [secrets.token_bytes(16) for _ in range(BATCH)])
                 except CryptdAPIError:
                     pass  # recorded by the hook
-                except CryptdConnectionError:
+                except (CryptdConnectionError, httpx.HTTPError):
+                    # No answer (the client retries refused connections, not a read that
+                    # timed out: the request may have been served).
                     recorder.failed(op)
 
     def _keys(self) -> None:
@@ -201,7 +203,7 @@ class Load:
                     c.update_key(name, state="enabled")
                 except CryptdAPIError:
                     pass
-                except CryptdConnectionError:
+                except (CryptdConnectionError, httpx.HTTPError):
                     recorder.failed("key-management")
                 self._stop.wait(0.05)
 
@@ -230,10 +232,14 @@ def replay(
     local = threading.local()
     work = [(url, a) for url in host_urls for a in accepted]
 
+    opened: list[httpx.Client] = []
+
     def send(item: tuple[str, Accepted]) -> None:
         url, a = item
         if not hasattr(local, "http"):
             local.http = httpx.Client(timeout=10)
+            with lock:
+                opened.append(local.http)
         try:
             status = local.http.request(
                 a.method, url + a.target, headers=list(a.headers), content=a.content
@@ -244,8 +250,12 @@ def replay(
             result.sent += 1
             result.by_status[status] += 1
 
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(send, work))
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(send, work))
+    finally:
+        for http in opened:
+            http.close()
     return result
 
 

@@ -23,11 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.testbed import (
-    APPS,
-    PGS,
-    REDISES,
-    Bed,
+from loadtest.testbed_net import BedError, run
+from loadtest.testbed_services import (
     as_postgres,
     cryptd_start,
     pg_bin,
@@ -39,7 +36,7 @@ from loadtest.testbed import (
     redis_start,
     wait_for,
 )
-from loadtest.testbed_net import BedError, run
+from loadtest.testbed_topology import APPS, PGS, REDISES, Bed
 
 
 @dataclass

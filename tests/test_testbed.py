@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from loadtest.faults import Timing, campaign
 from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
 from loadtest.faults_report import PhaseResult, refusals, render
 from loadtest.faults_revocation import Round
-from loadtest.testbed import Bed, check_programs, down, up
+from loadtest.testbed import down, up
 from loadtest.testbed_net import BedError, mounts_under, namespaces
+from loadtest.testbed_services import check_programs
+from loadtest.testbed_topology import Bed
 
 
 def test_the_redis_url_comes_from_one_switch() -> None:
@@ -112,7 +115,10 @@ def _isolated_bed(tmp_path: Path) -> Bed:
         subnet = f"10.{secrets.choice(range(200, 250))}.{secrets.randbelow(256)}"
         if f" {subnet}." not in used:
             break
-    return Bed(tmp_path / "bed", prefix, subnet)
+    # Not below tmp_path: PostgreSQL runs as its own user, who cannot enter pytest's 0700
+    # directories. down() removes it.
+    run_dir = Path(tempfile.mkdtemp(prefix="cryptd-bed-", dir="/tmp"))
+    return Bed(run_dir, prefix, subnet)
 
 
 @pytest.mark.slow
@@ -122,7 +128,6 @@ def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
     _need_bed()
     bed = _isolated_bed(tmp_path)
     node = bed.node("app1")
-    bed.run_dir.mkdir()
     subprocess.run(["ip", "netns", "add", node.namespace], check=True)
     subprocess.run(
         ["setsid", "-f", *node.command(["sleep", "300"])], check=True, stdout=subprocess.DEVNULL
@@ -135,7 +140,7 @@ def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
     assert node.namespace in removed
     assert namespaces(bed.prefix) == []
     assert not bed.run_dir.exists()
-    assert mounts_under(tmp_path) == []
+    assert mounts_under(bed.run_dir) == []
     assert down(bed.run_dir, bed.prefix) == []
 
 
@@ -150,18 +155,18 @@ def test_a_host_killed_under_load_loses_nothing_and_replays_are_refused(tmp_path
     try:
         up(bed)
         assert len(namespaces(bed.prefix)) == 11
-        goals = campaign(bed, ["kill-host"], Timing(2, 2, 1, 1, 40), threads=2, report=report)
+        goals = campaign(bed, ["kill-host"], Timing(1, 1, 0.5, 1, 40), threads=1, report=report)
     finally:
         down(bed.run_dir, bed.prefix)
     assert namespaces(bed.prefix) == []
     assert not bed.run_dir.exists()
-    assert goals["accepted"] > 50
+    assert goals["accepted"] > 20
     assert goals == {**goals, "replays_passed": 0, "tokens_failed": 0, "keys_lost": 0}
     assert goals["revocation_served_after"] == 0
     text = report.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| kill-host | app2 |"))
     replays = row.rstrip(" |").rsplit("|", 1)[1].strip()
     sent, passed = (int(x) for x in replays.split(" / "))
-    assert sent >= 3 * 50
+    assert sent >= 3 * 20
     assert passed == 0
     assert "## Revocation across hosts" in text
