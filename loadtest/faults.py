@@ -168,7 +168,8 @@ def run_fault(
         phase.notes.append(f"not recovered within {timing.recovery_timeout:.0f} s")
     time.sleep(timing.post)
     phase.ended = time.monotonic()
-    revocation.phase = "steady"
+    # Rounds during the replay burst are labelled apart from the fault and from steady load.
+    revocation.phase = f"replays after {fault}"
     with load.recorder.lock:
         accepted = list(load.recorder.accepted)
     current = [a for a in accepted if phase.started <= a.at < phase.ended]
@@ -179,6 +180,7 @@ def run_fault(
     sample = random.sample(earlier, min(len(earlier), EARLIER_SAMPLE))
     log(f"{fault}: replaying {len(current)} + {len(sample)} earlier requests at every host")
     phase.replay = replay(current + sample, [bed.host_url(a) for a in APPS])
+    revocation.phase = "steady"
     return phase
 
 
