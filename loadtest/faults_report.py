@@ -1,0 +1,147 @@
+"""The fault campaign's Markdown report (docs/results/faults-<date>.md by default)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.faults_load import Integrity, Outcome, ReplayResult
+from loadtest.faults_revocation import Round
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class PhaseResult:
+    """One fault: when it ran (monotonic) and what was measured around it."""
+
+    name: str
+    target: str
+    started: float
+    fault_at: float = 0.0
+    ended: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+    recovered_s: float | None = None  # fault -> every host ready and in the balancer again
+    replay: ReplayResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def outcomes(self, all_outcomes: list[Outcome]) -> list[Outcome]:
+        return [o for o in all_outcomes if self.started <= o.at < self.ended]
+
+
+@dataclass
+class Refusals:
+    requests: int
+    accepted: int
+    by_status: Counter[int]
+    window_s: float  # first to last refusal after the fault (0: none)
+    bad_5xx: int  # 5xx other than 503
+    without_retry_after: int  # 503 without Retry-After
+
+
+def refusals(phase: PhaseResult, outcomes: list[Outcome]) -> Refusals:
+    mine = phase.outcomes(outcomes)
+    failed = [o for o in mine if not 200 <= o.status < 300]
+    after = [o.at for o in failed if o.at >= phase.fault_at]
+    return Refusals(
+        requests=len(mine),
+        accepted=len(mine) - len(failed),
+        by_status=Counter(o.status for o in failed),
+        window_s=(max(after) - min(after)) if after else 0.0,
+        bad_5xx=sum(1 for o in failed if o.status >= 500 and o.status != 503),
+        without_retry_after=sum(1 for o in failed if o.status == 503 and not o.retry_after),
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}" if seconds == seconds else "—"
+
+
+def _statuses(counter: Counter[int]) -> str:
+    if not counter:
+        return "none"
+    return ", ".join(f"{'no answer' if s == 0 else s}x{n}" for s, n in sorted(counter.items()))
+
+
+def render(
+    *,
+    title: str,
+    setup: dict[str, str],
+    phases: list[PhaseResult],
+    outcomes: list[Outcome],
+    rounds: list[Round],
+    revocation_errors: list[str],
+    integrity: Integrity,
+    final_replay: ReplayResult,
+) -> str:
+    lines = [f"# {title}", ""]
+    lines += [f"- {k}: {v}" for k, v in setup.items()]
+    lines += ["", "## Faults under load", ""]
+    lines += [
+        "| fault | target | requests | accepted | refusals (status x count) | refusal window s "
+        "| 5xx not 503 | 503 without Retry-After | all hosts serving again s after the fault "
+        "| replays sent / got past |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for phase in phases:
+        r = refusals(phase, outcomes)
+        rec = "—" if phase.recovered_s is None else f"{phase.recovered_s:.1f}"
+        rp = phase.replay
+        replay = "—" if rp is None else f"{rp.sent} / {rp.passed}"
+        lines.append(
+            f"| {phase.name} | {phase.target} | {r.requests} | {r.accepted} | "
+            f"{_statuses(r.by_status)} | {r.window_s:.2f} | {r.bad_5xx} | "
+            f"{r.without_retry_after} | {rec} | {replay} |"
+        )
+    notes = [f"- {p.name}: {n}" for p in phases for n in p.notes]
+    details = [f"- {p.name}: {p.details}" for p in phases if p.details]
+    if details or notes:
+        lines += ["", *details, *notes]
+    total_passed = final_replay.passed + sum(p.replay.passed for p in phases if p.replay)
+    lines += ["", "## Replays", ""]
+    lines.append(
+        "After each fault, every request accepted during its phase, and up to 1,000 of those "
+        "accepted earlier and young enough to pass the age check, was sent again, byte for "
+        "byte, to every host (the table's last column); after the load stopped, those "
+        "accepted since "
+        f"the last fault: {final_replay.sent} sends, statuses "
+        f"{_statuses(final_replay.by_status)}. **{total_passed} replays in all got past the "
+        "signature and replay checks** (goal 0)."
+    )
+    lines += ["", "## Revocation across hosts", ""]
+    lines += [
+        "From the `PATCH {state: disabled}` answer on one host until every reachable worker of "
+        "every host refuses the key (an upper bound: a probe's round trip is included).",
+        "",
+        "| phase | rounds | P50 ms | P99 ms | max ms | encryptions served after the answer "
+        "| workers absent |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names = ["all", *dict.fromkeys(r.phase for r in rounds)]
+    for name in names:
+        chosen = rounds if name == "all" else [r for r in rounds if r.phase == name]
+        times = [r.seconds for r in chosen]
+        lines.append(
+            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} | "
+            f"{_ms(percentile(times, 0.99))} | {_ms(max(times, default=float('nan')))} | "
+            f"{sum(r.served_after for r in chosen)} | {sum(r.absent for r in chosen)} |"
+        )
+    if revocation_errors:
+        lines += ["", f"Rounds that could not run ({len(revocation_errors)}), first ones:", ""]
+        lines += [f"- {e}" for e in revocation_errors[:5]]
+    lines += ["", "## Integrity after the campaign", ""]
+    lines.append(
+        f"- tokens made under load: {integrity.tokens}, no longer decrypting: "
+        f"**{integrity.tokens_failed}** (goal 0)"
+    )
+    lines.append(
+        f"- keys created/rotated with a 2xx answer: {integrity.keys}, lost or behind: "
+        f"**{len(integrity.keys_lost)}** (goal 0) {', '.join(integrity.keys_lost[:10])}"
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,172 @@
+"""The multi-host test bed (loadtest/testbed*.py) and the fault campaign (loadtest/faults*.py).
+
+The slow tests bring a real bed up (network namespaces, HAProxy, Redis + Sentinels,
+PostgreSQL primary + standby, three cryptd hosts): they need root and those programs; where
+they are missing the tests are skipped, under CI=true they fail."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from loadtest.faults import Timing, campaign
+from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
+from loadtest.faults_report import PhaseResult, refusals, render
+from loadtest.faults_revocation import Round
+from loadtest.testbed import down, up
+from loadtest.testbed_net import BedError, mounts_under, namespaces
+from loadtest.testbed_services import check_programs
+from loadtest.testbed_topology import Bed
+
+
+def test_the_redis_url_comes_from_one_switch() -> None:
+    direct = Bed(subnet="10.9.8")
+    sentinel = Bed(subnet="10.9.8", redis_mode="sentinel")
+    assert direct.redis_url() == "redis://10.9.8.31:6379/0"
+    assert sentinel.redis_url() == (
+        "redis+sentinel://10.9.8.41:26379,10.9.8.42:26379,10.9.8.43:26379/cryptd"
+    )
+
+
+def test_the_key_store_url_names_both_postgresql_hosts_and_asks_for_the_writable_one() -> None:
+    url = Bed(subnet="10.9.8").keystore_url()
+    assert url.startswith("postgresql://postgres@10.9.8.21:5432,10.9.8.22:5432/cryptd?")
+    assert "target_session_attrs=read-write" in url
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "content", "expected"),
+    [
+        ("POST", "/v1/encrypt/k", b'{"plaintext":"aGk="}', "encrypt"),
+        ("POST", "/v1/encrypt/k", b'{"batch":[]}', "batch-encrypt"),
+        ("POST", "/v1/keys/k", b"{}", "create"),
+        ("POST", "/v1/keys/k/rotate", b"", "rotate"),
+        ("PATCH", "/v1/keys/k", b"{}", "state"),
+        ("GET", "/v1/keys/k?x=1", b"", "read"),
+    ],
+)
+def test_operation_names(method: str, path: str, content: bytes, expected: str) -> None:
+    assert operation_of(method, path, content) == expected
+
+
+def test_the_refusal_window_runs_from_the_first_to_the_last_refusal_after_the_fault() -> None:
+    phase = PhaseResult("kill-host", "app2", started=0.0, fault_at=10.0, ended=30.0)
+    outcomes = [
+        Outcome(5.0, "encrypt", 503, True),  # before the fault: counted, not in the window
+        Outcome(11.0, "encrypt", 0, False),
+        Outcome(12.0, "sign", 200, False),
+        Outcome(13.5, "sign", 503, False),
+        Outcome(14.0, "sign", 500, False),
+        Outcome(40.0, "sign", 503, True),  # after the phase
+    ]
+    r = refusals(phase, outcomes)
+    assert (r.requests, r.accepted) == (5, 1)
+    assert r.window_s == pytest.approx(3.0)
+    assert r.bad_5xx == 1
+    assert r.without_retry_after == 1
+    assert r.by_status == Counter({503: 2, 0: 1, 500: 1})
+
+
+def test_the_report_states_every_goal() -> None:
+    phase = PhaseResult("kill-host", "app2", started=0.0, fault_at=1.0, ended=5.0)
+    phase.recovered_s = 2.5
+    phase.replay = ReplayResult(6, Counter({401: 5, 200: 1}))
+    text = render(
+        title="t",
+        setup={"bed": "b"},
+        phases=[phase],
+        outcomes=[Outcome(2.0, "encrypt", 200, False)],
+        rounds=[Round("kill-host", 0.012, 0, 6, 0), Round("steady", 0.008, 0, 6, 0)],
+        revocation_errors=[],
+        integrity=Integrity(tokens=10, tokens_failed=0, keys=3),
+        final_replay=ReplayResult(3, Counter({401: 3})),
+    )
+    assert "| kill-host | app2 | 1 | 1 | none | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
+    assert "**1 replays in all got past" in text
+    assert "| all | 2 | 8 | 12 | 12 | 0 | 0 |" in text
+    assert "no longer decrypting: **0**" in text
+
+
+# The real bed --------------------------------------------------------------------------
+
+
+def _need_bed() -> None:
+    try:
+        if os.geteuid() != 0:
+            raise BedError("the test bed needs root")
+        check_programs()
+    except BedError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the test bed is required under CI: {exc}")
+        pytest.skip(str(exc))
+
+
+def _isolated_bed(tmp_path: Path) -> Bed:
+    """A bed of this test's own: names and a /24 no other bed on the machine uses."""
+    prefix = f"ct{secrets.token_hex(2)}"
+    used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    for _ in range(50):
+        subnet = f"10.{secrets.choice(range(200, 250))}.{secrets.randbelow(256)}"
+        if f" {subnet}." not in used:
+            break
+    # Not below tmp_path: PostgreSQL runs as its own user, who cannot enter pytest's 0700
+    # directories. down() removes it.
+    run_dir = Path(tempfile.mkdtemp(prefix="cryptd-bed-", dir="/tmp"))
+    return Bed(run_dir, prefix, subnet)
+
+
+@pytest.mark.slow
+def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
+    """No state file, a namespace with a live process, a veth, a mount: down removes all,
+    and a second down finds nothing."""
+    _need_bed()
+    bed = _isolated_bed(tmp_path)
+    node = bed.node("app1")
+    subprocess.run(["ip", "netns", "add", node.namespace], check=True)
+    subprocess.run(
+        ["setsid", "-f", *node.command(["sleep", "300"])], check=True, stdout=subprocess.DEVNULL
+    )
+    disk = bed.disk("app1")
+    disk.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "x", str(disk)], check=True)
+    assert node.pids()
+    removed = down(bed.run_dir, bed.prefix)
+    assert node.namespace in removed
+    assert namespaces(bed.prefix) == []
+    assert not bed.run_dir.exists()
+    assert mounts_under(bed.run_dir) == []
+    assert down(bed.run_dir, bed.prefix) == []
+
+
+@pytest.mark.slow
+def test_a_host_killed_under_load_loses_nothing_and_replays_are_refused(tmp_path: Path) -> None:
+    """The CI version of the campaign: the bed up, ~10 s of mixed signed load with one cryptd
+    host killed with SIGKILL and restarted, every accepted request replayed at every host,
+    the bed down with nothing left behind."""
+    _need_bed()
+    bed = _isolated_bed(tmp_path)
+    report = tmp_path / "faults.md"
+    try:
+        up(bed)
+        assert len(namespaces(bed.prefix)) == 11
+        goals = campaign(bed, ["kill-host"], Timing(1, 1, 0.5, 1, 40), threads=1, report=report)
+    finally:
+        down(bed.run_dir, bed.prefix)
+    assert namespaces(bed.prefix) == []
+    assert not bed.run_dir.exists()
+    assert goals["accepted"] > 20
+    assert goals == {**goals, "replays_passed": 0, "tokens_failed": 0, "keys_lost": 0}
+    assert goals["revocation_served_after"] == 0
+    text = report.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| kill-host | app2 |"))
+    replays = row.rstrip(" |").rsplit("|", 1)[1].strip()
+    sent, passed = (int(x) for x in replays.split(" / "))
+    assert sent >= 3 * 20
+    assert passed == 0
+    assert "## Revocation across hosts" in text
