@@ -22,6 +22,7 @@ import orjson
 
 from service.auth.clients import generate_secret, write_document
 from service.auth.replay_host import HostReplayStore
+from service.auth.setup import check_redis_url
 from service.cli.supervisor import Supervisor
 from service.config import Settings, decode_master_key
 from service.crypto.registry import KEY_TYPES
@@ -244,6 +245,8 @@ def serve(args: argparse.Namespace) -> int:
     # Validate now, so a bad configuration fails here, not in every worker.
     settings = Settings()
     _check_docs_assets(settings)
+    if settings.redis_url:
+        check_redis_url(settings.redis_url)
     _verify_key_store(settings, settings.load_master_key())
     # Every worker sees the count the supervisor starts (and sizes its pool by it).
     os.environ["CRYPTD_WORKERS"] = str(settings.workers)
