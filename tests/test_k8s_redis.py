@@ -73,7 +73,8 @@ async def test_replay_store_works_with_the_acl(secrets_and_port: tuple[Secrets, 
         # before it plus the skew.
         health = await store.health()
         assert not health.ok
-        assert health.reason is not None and "epoch" in health.reason, health.reason
+        assert health.reason is not None
+        assert "epoch" in health.reason, health.reason
         now = int(time.time())
         with pytest.raises(StoreRecovering):
             await store.remember("client-a", nonce, now, 300)

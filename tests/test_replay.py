@@ -78,7 +78,7 @@ def _now() -> int:
 async def _fresh_prefix(client: Redis) -> str:
     """A key prefix of its own on the shared Redis, with epoch 0 (nothing was lost), expiring."""
     prefix = f"test:{uuid.uuid4().hex}:"
-    await client.eval(SEED_SCRIPT, 2, f"{prefix}epoch", f"{prefix}primary", 0)  # type: ignore[misc]
+    await client.eval(SEED_SCRIPT, 2, f"{prefix}epoch", f"{prefix}primary", "0")
     for key in ("epoch", "primary"):
         await client.expire(f"{prefix}{key}", 600)
     return prefix

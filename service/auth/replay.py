@@ -260,8 +260,7 @@ class RedisReplayStore:
         self._cluster = isinstance(client, RedisCluster)
         # Sentinel: a primary that lost its replica still serves, but says so (degraded).
         self._sentinel = (
-            isinstance(client, Redis)
-            and isinstance(client.connection_pool, SentinelConnectionPool)
+            isinstance(client, Redis) and isinstance(client.connection_pool, SentinelConnectionPool)
             if sentinel is None
             else sentinel
         )

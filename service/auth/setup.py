@@ -52,8 +52,7 @@ class AuthParts:
             health = await self.replay.establish()
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
             log.error(
-                "replay store unreachable at start (%s); signed requests get 503 until it "
-                "answers",
+                "replay store unreachable at start (%s); signed requests get 503 until it answers",
                 type(exc).__name__,
                 extra={"redis": self.redis_target.describe()},
             )
