@@ -295,8 +295,12 @@ async def close(client: RedisClient) -> None:
     """Close the client and its pool."""
     if isinstance(client, RedisCluster):
         await client.aclose()
-    else:
-        await client.aclose(close_connection_pool=True)
+        return
+    pool = client.connection_pool
+    await client.aclose(close_connection_pool=True)
+    if isinstance(pool, SentinelConnectionPool):  # the Sentinels' own clients too
+        for sentinel in pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
 
 
 Command = tuple[Any, ...]  # arguments of execute_command, e.g. ("EVALSHA", sha, 1, key)
@@ -322,11 +326,13 @@ class SerialConnection:
             connection = self._connection
             packed = connection.pack_commands(commands)
             try:
+                await self._connected()
                 await connection.send_packed_command(packed, check_health=False)
             except (redis.exceptions.ConnectionError, OSError):
                 # A connection Redis closed (restart, failover) fails on first use; nothing of
                 # the batch ran, so reconnect and send it once more.
                 await connection.disconnect()
+                await self._connected()
                 await connection.send_packed_command(packed, check_health=False)
             replies: list[Any] = []
             for _ in commands:
@@ -337,6 +343,13 @@ class SerialConnection:
                 except redis.exceptions.ResponseError as exc:
                     replies.append(exc)
             return replies
+
+    async def _connected(self) -> None:
+        """Connect through ``connect()``: a Sentinel-managed connection asks the Sentinels
+        for the primary there (send_packed_command alone would connect to its default host,
+        localhost:6379, whatever Redis that is)."""
+        if not self._connection.is_connected:
+            await self._connection.connect()
 
     async def aclose(self) -> None:
         await self._connection.disconnect()
