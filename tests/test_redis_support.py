@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -51,6 +52,12 @@ def client(port: int) -> redis.Redis:
             host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1
         )
     return _CLIENTS[port]
+
+
+def command(port: int, *args: str) -> Any:
+    """One command, its reply (redis-py leaves ``execute_command`` untyped)."""
+    untyped: Any = client(port)
+    return untyped.execute_command(*args)
 
 
 def close_clients(ports: list[int]) -> None:
@@ -117,9 +124,7 @@ class SentinelSetup:
         return f"redis+sentinel://{hosts}/{MASTER}/0"
 
     def master_port(self) -> int:
-        reply = client(self.sentinels[0].port).execute_command(
-            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER
-        )
+        reply = command(self.sentinels[0].port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER)
         return int(reply[1])
 
     def start(self) -> None:
@@ -131,9 +136,8 @@ class SentinelSetup:
 
         def sentinels_ready() -> bool:
             for sentinel in self.sentinels:
-                c = client(sentinel.port)
-                others = c.execute_command("SENTINEL", "SENTINELS", MASTER)
-                replicas = c.execute_command("SENTINEL", "REPLICAS", MASTER)
+                others = command(sentinel.port, "SENTINEL", "SENTINELS", MASTER)
+                replicas = command(sentinel.port, "SENTINEL", "REPLICAS", MASTER)
                 if len(others) < 2 or not replicas:
                     return False
             return True
@@ -206,7 +210,7 @@ class ClusterSetup:
         wait_until(
             "the cluster to serve every slot",
             lambda: all(
-                client(n.port).execute_command("CLUSTER", "INFO").decode().count("cluster_state:ok")
+                command(n.port, "CLUSTER", "INFO").decode().count("cluster_state:ok")
                 for n in self.nodes
             ),
             30,
