@@ -89,7 +89,7 @@ class RedisProcess:
         self.process = None
 
 
-def _server(directory: Path, port: int, *extra: str) -> RedisProcess:
+def redis_server(directory: Path, port: int, *extra: str) -> RedisProcess:
     binary = require_program("redis-server")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
     return RedisProcess(directory, port, [*args, "no", "--dir", str(directory), *extra])
@@ -100,8 +100,8 @@ class SentinelSetup:
 
     def __init__(self, base: Path) -> None:
         require_program("redis-sentinel")
-        self.primary = _server(base / "primary", free_port())
-        self.replica = _server(
+        self.primary = redis_server(base / "primary", free_port())
+        self.replica = redis_server(
             base / "replica", free_port(), "--replicaof", "127.0.0.1", str(self.primary.port)
         )
         self.sentinels = [self._sentinel(base / f"sentinel{i}") for i in range(3)]
@@ -175,7 +175,7 @@ class ClusterSetup:
 
     def __init__(self, base: Path) -> None:
         self.nodes = [
-            _server(
+            redis_server(
                 base / f"node{i}",
                 free_port(),
                 "--cluster-enabled",

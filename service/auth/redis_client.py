@@ -133,7 +133,11 @@ def parse_url(url: str) -> RedisTarget:
             "CRYPTD_REDIS_URL names several hosts: add ?cluster=true for a Redis Cluster, or "
             "use redis+sentinel://sentinel:port[,...]/master-name for Sentinel"
         )
-    return RedisTarget("standalone", url)
+    # redis-py reads the other parameters itself; cluster=false is ours alone.
+    kept = [(k, v) for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)]
+    kept = [(k, v) for k, v in kept if k != "cluster"]
+    plain = f"{scheme}://{rest}" + (f"?{urllib.parse.urlencode(kept)}" if kept else "")
+    return RedisTarget("standalone", plain)
 
 
 def _node(text: str) -> tuple[str, int]:
@@ -169,7 +173,7 @@ def open_client(url: str, *, socket_timeout: float = SOCKET_TIMEOUT) -> RedisCli
     target = parse_url(url)
     if target.mode == "cluster":
         return _cluster(target, socket_timeout)
-    return connect(url, socket_timeout=socket_timeout)
+    return connect(target.url, socket_timeout=socket_timeout)
 
 
 def connect(
@@ -186,7 +190,7 @@ def connect(
     if target.mode == "sentinel":
         return _sentinel_master(target, socket_timeout, max_connections)
     pool: BlockingConnectionPool = BlockingConnectionPool.from_url(
-        url,
+        target.url,
         max_connections=max_connections,
         timeout=POOL_TIMEOUT,
         socket_timeout=socket_timeout,
