@@ -18,7 +18,7 @@ import pytest
 from service.auth.replay import KEY_PREFIX
 from service.auth.signature import sign_request
 from tests.conftest import free_port
-from tests.test_redis_support import redis_server, client
+from tests.test_redis_support import client, redis_server
 
 pytestmark = pytest.mark.slow
 
