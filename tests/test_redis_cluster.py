@@ -48,6 +48,7 @@ async def test_cluster_spreads_nonces_refuses_replays_and_survives_a_node_restar
             )
             assert results == [True] * 300 + [False] * 300
             held = [int(client(node.port).dbsize()) for node in cluster.nodes]
+            print(f"\nkeys per node (nonces, epoch and identity keys): {held}")
             assert all(count > 50 for count in held), held  # every node holds its share
 
             await limiter.acquire("app")

@@ -175,8 +175,8 @@ def create_app(
     async def replay_ready() -> tuple[bool, dict[str, Any]]:
         health = await auth.replay.health()
         detail: dict[str, Any] = {"backend": auth.replay.backend}
-        if auth.redis_target is not None:
-            detail["redis"] = auth.redis_target.describe()
+        if auth.redis_target is not None and auth.redis_target.mode != "standalone":
+            detail["redis"] = auth.redis_target.describe()  # Sentinels or Cluster seeds
         if health.reason is not None:
             detail["reason"] = health.reason
         if health.retry_after is not None:
