@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis.crc import key_slot
 
 from service.auth.ratelimit import RedisRateLimiter
 from service.auth.redis_client import (
@@ -19,7 +22,13 @@ from service.auth.redis_client import (
     open_client,
     parse_url,
 )
-from service.auth.replay import RedisReplayStore, StoreRecovering, StoreUnavailable
+from service.auth.replay import (
+    PARTITIONS,
+    RedisReplayStore,
+    StoreRecovering,
+    StoreUnavailable,
+    partition_tags,
+)
 from service.errors import RateLimited
 from tests.test_auth_support import SHARED_REDIS_URL, require_redis
 from tests.test_redis_support import client, cluster_setup, command, wait_until
@@ -72,7 +81,8 @@ async def test_cluster_spreads_nonces_refuses_replays_and_survives_a_node_restar
             assert False in verdicts  # the other nodes still remember theirs
 
             # Slots nobody serves: readiness says so, requests are refused, none accepted.
-            command(victim.port, "CLUSTER", "DELSLOTS", *map(str, _slots_of(victim.port)))
+            deleted = set(_slots_of(victim.port))
+            command(victim.port, "CLUSTER", "DELSLOTS", *map(str, sorted(deleted)))
             await asyncio.sleep(0.5)
             health = await store.health()
             if health.ok:  # the other nodes learn it over the cluster bus
@@ -87,8 +97,9 @@ async def test_cluster_spreads_nonces_refuses_replays_and_survives_a_node_restar
                 health = await store.health()
             assert not health.ok
             assert "unreachable" in str(health.reason) or "Cluster" in str(health.reason)
+            orphan = next(n for n in _nonces() if _slot(store, n) in deleted)
             with pytest.raises(StoreUnavailable):
-                await store.remember("app", uuid.uuid4().hex, int(time.time()), 120)
+                await store.remember("app", orphan, int(time.time()), 120)
         finally:
             await limiter.aclose()
             await store.aclose()
@@ -105,6 +116,17 @@ async def _verdict(store: RedisReplayStore, nonce: str, created: int) -> bool | 
         except StoreUnavailable:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
+
+
+def _nonces() -> Iterator[str]:
+    while True:
+        yield uuid.uuid4().hex
+
+
+def _slot(store: RedisReplayStore, nonce: str) -> int:
+    """The slot of the partition ``nonce`` falls in (the store's placement, recomputed)."""
+    tags = partition_tags(PARTITIONS)
+    return int(key_slot(tags[zlib.crc32(f"app:{nonce}".encode()) % len(tags)].encode()))
 
 
 def _slots_of(port: int) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -80,7 +81,14 @@ class RedisProcess:
         self.process = subprocess.Popen(
             self.args, cwd=self.directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        wait_until(f"redis on port {self.port}", lambda: bool(client(self.port).ping()))
+        process = self.process
+
+        def up() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(f"{self.args[0]} on port {self.port} exited")
+            return bool(client(self.port).ping())
+
+        wait_until(f"redis on port {self.port}", up)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -170,6 +178,19 @@ def sentinel_setup(base: Path) -> Iterator[SentinelSetup]:
         setup.stop()
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10,000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
 class ClusterSetup:
     """Three primaries, no replicas, every slot assigned (``redis-cli --cluster create``)."""
 
@@ -177,7 +198,7 @@ class ClusterSetup:
         self.nodes = [
             redis_server(
                 base / f"node{i}",
-                free_port(),
+                cluster_port(),
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",

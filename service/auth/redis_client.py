@@ -362,7 +362,7 @@ class SerialConnection:
 class ClusterConnection:
     """:class:`SerialConnection`'s interface on a Redis Cluster: each command goes to the node
     serving its keys' slot (redis-py follows MOVED and re-reads the layout after a lost node),
-    the commands of one call concurrently."""
+    the commands of one call concurrently, each reply or error in its place."""
 
     def __init__(self, client: RedisCluster) -> None:
         self._client = client
@@ -371,13 +371,11 @@ class ClusterConnection:
         return list(await asyncio.gather(*(self._one(command) for command in commands)))
 
     async def _one(self, command: Command) -> Any:
+        # Every failure comes back as a value: a node that is down or moving refuses its own
+        # commands, and the other nodes' replies still count.
         try:
             return await self._client.execute_command(*command)
-        except redis.exceptions.NoScriptError as exc:
-            return exc
-        except redis.exceptions.ResponseError as exc:
-            if isinstance(exc, redis.exceptions.ClusterError):
-                raise  # the cluster is down or moving: the store cannot answer
+        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
             return exc
 
     async def aclose(self) -> None:

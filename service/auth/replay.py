@@ -214,7 +214,7 @@ PARTITIONS: Final = 64
 HASH_SLOTS: Final = 16384
 
 
-def _partition_tags(count: int) -> tuple[str, ...]:
+def partition_tags(count: int) -> tuple[str, ...]:
     tags = []
     width = HASH_SLOTS // count
     candidate = 0
@@ -266,9 +266,11 @@ class RedisReplayStore:
         )
         # No client id is "epoch" or "primary" followed by nothing: nonce keys always have a
         # second ':'.
-        self._tags: tuple[str, ...] = _partition_tags(PARTITIONS) if self._cluster else ("",)
+        self._tags: tuple[str, ...] = partition_tags(PARTITIONS) if self._cluster else ("",)
         self._max_skew = max_skew
-        self._coalescer: Coalescer[tuple[str, int, int], int] = Coalescer(self._set_many)
+        self._coalescer: Coalescer[tuple[str, int, int], int | Exception] = Coalescer(
+            self._set_many
+        )
 
     def _base(self, tag: str) -> str:
         return f"{self._prefix}{{{tag}}}:" if tag else self._prefix
@@ -282,6 +284,8 @@ class RedisReplayStore:
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
             # Connection refused or lost, timeout, READONLY during a failover, OOM, ...
             raise StoreUnavailable(type(exc).__name__) from exc
+        if isinstance(verdict, Exception):  # this nonce's shard alone could not answer
+            raise StoreUnavailable(type(verdict).__name__) from verdict
         if verdict < 0:
             raise StoreRecovering(-verdict)
         return bool(verdict)
@@ -291,22 +295,27 @@ class RedisReplayStore:
             return ""
         return key[len(self._prefix) + 1 : key.index("}", len(self._prefix))]
 
-    async def _set_many(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
+    async def _set_many(self, items: Sequence[tuple[str, int, int]]) -> list[int | Exception]:
         groups: dict[str, list[int]] = {}
         for index, (key, _, _) in enumerate(items):
             groups.setdefault(self._tag_of(key), []).append(index)
         tags = list(groups)
         replies = await self._run([[items[i] for i in groups[tag]] for tag in tags], tags)
-        verdicts = [0] * len(items)
+        verdicts: list[int | Exception] = [0] * len(items)
         for tag, reply in zip(tags, replies, strict=True):
-            for index, verdict in zip(groups[tag], reply[2:], strict=True):
-                verdicts[index] = int(verdict)
+            for position, index in enumerate(groups[tag]):
+                # On a Cluster, a shard that fails refuses its own nonces, not the batch's.
+                verdicts[index] = (
+                    reply if isinstance(reply, Exception) else int(reply[2 + position])
+                )
         return verdicts
 
     async def _run(
         self, batches: Sequence[Sequence[tuple[str, int, int]]], tags: Sequence[str]
-    ) -> list[list[Any]]:
-        """One script call per tag (one call in all but on a Cluster), in one round trip."""
+    ) -> list[list[Any] | Exception]:
+        """One script call per tag (one call in all but on a Cluster), in one round trip;
+        a call's error reply comes back in its place (a lost connection to a single Redis is
+        raised)."""
         commands = []
         for batch, tag in zip(batches, tags, strict=True):
             base = self._base(tag)
@@ -323,16 +332,17 @@ class RedisReplayStore:
             )
             for index, reply in zip(missing, again, strict=True):
                 replies[index] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return [list(reply) for reply in replies]
+        return [reply if isinstance(reply, Exception) else list(reply) for reply in replies]
 
     async def establish(self) -> ReplayHealth:
         """Set the epoch now if the Redis answering has none (at start, and at every readiness
         probe), and say whether requests signed now are accepted. Raises what the Redis client
         raises when it cannot answer."""
-        replies = await self._run([[] for _ in self._tags], self._tags)
+        replies = []
+        for reply in await self._run([[] for _ in self._tags], self._tags):
+            if isinstance(reply, Exception):
+                raise reply
+            replies.append(reply)
         remaining = max(int(reply[0]) for reply in replies)
         replicas = min(int(reply[1]) for reply in replies)
         degraded = None
