@@ -149,12 +149,17 @@ class MemoryReplayStore:
 
 # The identity of the Redis that runs the script: its run id (new at every start) and its
 # replication id (new when a replica is promoted). Both appear in INFO, readable from a script,
-# so the check is atomic with the nonces it guards.
+# so the check is atomic with the nonces it guards. A server whose INFO lacks them (a
+# Redis-like service hiding them) is refused, never trusted with an identity that cannot change.
 _IDENTITY_LUA: Final = """
 local server = redis.call('INFO', 'server')
 local replication = redis.call('INFO', 'replication')
-local identity = (string.match(server, 'run_id:(%w+)') or '?') .. ':' ..
-                 (string.match(replication, 'master_replid:(%w+)') or '?')
+local run = string.match(server, 'run_id:(%w+)')
+local replid = string.match(replication, 'master_replid:(%w+)')
+if not run or not replid then
+  return redis.error_reply('ERR cryptd: INFO shows no run_id or master_replid')
+end
+local identity = run .. ':' .. replid
 local replicas = tonumber(string.match(replication, 'connected_slaves:(%d+)')) or 0
 """
 # KEYS[1]: the epoch key; KEYS[2]: the identity of the Redis that set it; KEYS[3..]: nonce
