@@ -100,6 +100,19 @@ async def test_cluster_spreads_nonces_refuses_replays_and_survives_a_node_restar
             orphan = next(n for n in _nonces() if _slot(store, n) in deleted)
             with pytest.raises(StoreUnavailable):
                 await store.remember("app", orphan, int(time.time()), 120)
+            # A server starting on that cluster: a reason, and refusals, never a crash.
+            late = open_client(cluster.url)
+            late_store = RedisReplayStore(late)
+            try:
+                await check_target(late, parse_url(cluster.url))
+                health = await late_store.health()
+                assert not health.ok
+                assert health.reason is not None
+                with pytest.raises(StoreUnavailable):
+                    await late_store.remember("app", orphan, int(time.time()), 120)
+            finally:
+                await late_store.aclose()
+                await close(late)
         finally:
             await limiter.aclose()
             await store.aclose()

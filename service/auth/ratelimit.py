@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis.exceptions
 
-from service.auth.redis_client import PipelineBatcher
+from service.auth.redis_client import REDIS_ERRORS, PipelineBatcher
 from service.errors import RateLimited
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class RedisRateLimiter:
     async def acquire(self, client_id: str) -> None:
         try:
             allowed, wait = await self._run(self._prefix + client_id)
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             if not self._degraded:
                 self._degraded = True
                 logger.warning(

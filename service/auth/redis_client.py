@@ -32,6 +32,9 @@ POOL_TIMEOUT: Final = 0.25  # wait for a free connection at most this long
 MAX_CONNECTIONS: Final = 64
 
 RedisClient = Redis | RedisCluster
+# What a Redis call can raise when Redis cannot answer: redis-py's errors (a Cluster's
+# RedisClusterException, e.g. slots nobody serves, is not a RedisError), sockets, timeouts.
+REDIS_ERRORS: Final = (redis.exceptions.RedisError, RedisClusterException, OSError, TimeoutError)
 Mode = Literal["standalone", "sentinel", "cluster"]
 
 _TLS_PARAMETERS: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
@@ -271,7 +274,7 @@ async def check_target(client: RedisClient, target: RedisTarget) -> None:
                 reply = await sentinel.execute_command(
                     "SENTINEL", "GET-MASTER-ADDR-BY-NAME", target.service
                 )
-            except (redis.exceptions.RedisError, OSError, TimeoutError):
+            except REDIS_ERRORS:
                 continue
             if reply:
                 return
@@ -291,7 +294,7 @@ async def check_target(client: RedisClient, target: RedisTarget) -> None:
                     f"CRYPTD_REDIS_URL: {target.describe()} is not a Redis Cluster (drop "
                     "?cluster=true for a single Redis)"
                 ) from None
-        except (redis.exceptions.RedisError, OSError, TimeoutError):
+        except REDIS_ERRORS:
             return
 
 
@@ -375,7 +378,7 @@ class ClusterConnection:
         # commands, and the other nodes' replies still count.
         try:
             return await self._client.execute_command(*command)
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             return exc
 
     async def aclose(self) -> None:

@@ -24,14 +24,13 @@ import zlib
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
-import redis.exceptions
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
 from service.auth.coalesce import Coalescer
-from service.auth.redis_client import RedisClient, sender
+from service.auth.redis_client import REDIS_ERRORS, RedisClient, sender
 from service.auth.signature import DEFAULT_MAX_SKEW
 
 KEY_PREFIX: Final = "cryptd:nonce:"
@@ -286,7 +285,7 @@ class RedisReplayStore:
         tag = self._tags[zlib.crc32(pair.encode()) % len(self._tags)] if self._cluster else ""
         try:
             verdict = await self._coalescer.submit((self._base(tag) + pair, max(1, ttl), created))
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             # Connection refused or lost, timeout, READONLY during a failover, OOM, ...
             raise StoreUnavailable(type(exc).__name__) from exc
         if isinstance(verdict, Exception):  # this nonce's shard alone could not answer
@@ -366,7 +365,7 @@ class RedisReplayStore:
     async def health(self) -> ReplayHealth:
         try:
             return await self.establish()
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             return ReplayHealth(False, f"replay store: Redis unreachable ({_describe(exc)})")
 
     async def ping(self) -> bool:

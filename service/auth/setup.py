@@ -7,12 +7,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis.exceptions
-
 from service.auth.clients import ClientsFile
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from service.auth.ratelimit_host import HostRateLimiter
 from service.auth.redis_client import (
+    REDIS_ERRORS,
     RedisClient,
     RedisTarget,
     check_target,
@@ -50,7 +49,7 @@ class AuthParts:
             return
         try:
             health = await self.replay.establish()
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             log.error(
                 "replay store unreachable at start (%s); signed requests get 503 until it answers",
                 type(exc).__name__,
