@@ -11,9 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.auth.ratelimit import KEY_PREFIX as RATE_PREFIX
+from service.auth.ratelimit import RedisRateLimiter
 from service.auth.redis_client import RedisConfigError, check_target, close, connect, parse_url
 from service.auth.replay import KEY_PREFIX, RedisReplayStore, StoreRecovering, StoreUnavailable
 from service.auth.signature import sign_request
+from service.errors import RateLimited
 from tests.conftest import free_port, start_server, stop_server
 from tests.test_redis_support import SentinelSetup, client, sentinel_setup, wait_until
 
@@ -62,6 +65,7 @@ async def test_failover_loses_nonces_yet_accepts_no_replay(tmp_path: Path) -> No
         redis = connect(ha.url)
         await check_target(redis, parse_url(ha.url))
         store = RedisReplayStore(redis, max_skew=1)
+        limiter = RedisRateLimiter(redis, rate=0.2, burst=1)
         primary, replica = client(ha.primary.port), client(ha.replica.port)
         try:
             # The epoch is set before any request; readiness names the window, then clears.
@@ -117,12 +121,18 @@ async def test_failover_loses_nonces_yet_accepts_no_replay(tmp_path: Path) -> No
             health = await store.health()
             assert health.ok
             assert "no replica" in str(health.degraded)  # the old primary is gone
+            # The rate limiter follows the failover too (its buckets now on the new primary).
+            await limiter.acquire("after")
+            assert replica.exists(f"{RATE_PREFIX}after")
+            with pytest.raises(RateLimited):
+                await limiter.acquire("after")
             fresh = int(time.time())
             assert await store.remember("app", "fresh", fresh, 120)
             assert not await store.remember("app", "fresh", fresh, 120)
             with pytest.raises(StoreRecovering):  # still refused, however late it comes
                 await store.remember("app", "lost", lost_created, 120)
         finally:
+            await limiter.aclose()
             await store.aclose()
             await close(redis)
 
