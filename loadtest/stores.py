@@ -70,8 +70,10 @@ def private_redis() -> Iterator[str]:
         url = f"redis://127.0.0.1:{port}/0"
         import redis
 
+        from service.auth.replay import KEY_PREFIX, SEED_SCRIPT
+
         with redis.Redis.from_url(url) as client:
-            client.set("cryptd:nonce:epoch", 0, nx=True)
+            client.eval(SEED_SCRIPT, 2, f"{KEY_PREFIX}epoch", f"{KEY_PREFIX}primary", 0)
         yield url
     finally:
         process.terminate()

@@ -208,14 +208,17 @@ def _shared_redis_replay_epoch() -> None:
     """A brand-new shared Redis (CI starts one) would get its replay-store epoch from the first
     request that reaches it, and refuse requests signed in the seconds before (503, the
     restart window of docs/AUTH.md). Every test client's secret is new, so nothing of theirs
-    was accepted before: epoch 0 is the truth here. An existing epoch is left alone."""
+    was accepted before: epoch 0, for the Redis running now, is the truth here. An existing
+    epoch is left alone."""
     import redis
+
+    from service.auth.replay import KEY_PREFIX, SEED_SCRIPT
 
     with (
         contextlib.suppress(redis.RedisError),
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1) as client,
     ):
-        client.set("cryptd:nonce:epoch", 0, nx=True)
+        client.eval(SEED_SCRIPT, 2, f"{KEY_PREFIX}epoch", f"{KEY_PREFIX}primary", 0)
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,13 @@ from service.auth.middleware import SignatureAuthMiddleware
 from service.auth.policy import authorize, client_from_scope, require_admin
 from service.auth.ratelimit import MemoryRateLimiter, RateLimiter
 from service.auth.redis_client import close, connect
-from service.auth.replay import KEY_PREFIX, MemoryReplayStore, RedisReplayStore, ReplayStore
+from service.auth.replay import (
+    KEY_PREFIX,
+    SEED_SCRIPT,
+    MemoryReplayStore,
+    RedisReplayStore,
+    ReplayStore,
+)
 from service.auth.signature import DEFAULT_MAX_SKEW
 from service.errors import (
     Conflict,
@@ -481,7 +487,7 @@ class RedisServer:
         _wait_for(lambda: redis_reachable(self.url), proc)
         if not self._started:
             with redis.Redis.from_url(self.url) as client:
-                client.set(f"{KEY_PREFIX}epoch", 0, nx=True)
+                client.eval(SEED_SCRIPT, 2, f"{KEY_PREFIX}epoch", f"{KEY_PREFIX}primary", 0)
         self._started = True
 
     def kill(self) -> None:

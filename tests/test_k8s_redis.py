@@ -68,9 +68,13 @@ async def test_replay_store_works_with_the_acl(secrets_and_port: tuple[Secrets, 
     async with cryptd_client(secrets_and_port) as client:
         store = RedisReplayStore(client)
         nonce = base64.urlsafe_b64encode(os.urandom(12)).decode()
-        assert await store.ping() is True
-        # A Redis that has never seen cryptd: the script sets the epoch (TIME, SET NX, GET
-        # under the ACL) and refuses what was signed before it plus the skew.
+        # A Redis that has never seen cryptd: the script (INFO, TIME, GET, SET under the ACL)
+        # sets the epoch, and readiness names the window in which it refuses what was signed
+        # before it plus the skew.
+        health = await store.health()
+        assert not health.ok
+        assert health.reason is not None
+        assert "epoch" in health.reason, health.reason
         now = int(time.time())
         with pytest.raises(StoreRecovering):
             await store.remember("client-a", nonce, now, 300)

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from service.auth.coalesce import Coalescer
 from service.auth.redis_client import close, connect
 from service.auth.replay import (
+    SEED_SCRIPT,
     MemoryReplayStore,
     RedisReplayStore,
     StoreRecovering,
@@ -77,7 +78,9 @@ def _now() -> int:
 async def _fresh_prefix(client: Redis) -> str:
     """A key prefix of its own on the shared Redis, with epoch 0 (nothing was lost), expiring."""
     prefix = f"test:{uuid.uuid4().hex}:"
-    await client.set(f"{prefix}epoch", 0, ex=600)
+    await client.eval(SEED_SCRIPT, 2, f"{prefix}epoch", f"{prefix}primary", "0")
+    for key in ("epoch", "primary"):
+        await client.expire(f"{prefix}{key}", 600)
     return prefix
 
 
@@ -135,7 +138,8 @@ async def test_redis_epoch_is_set_once_and_refuses_what_was_signed_before_it() -
         assert before < epoch <= before + 2  # Redis's clock, rounded up
         assert refused.value.retry_after == epoch + 5 - before
         assert await client.exists(f"{prefix}app:n1") == 0
-        await client.expire(f"{prefix}epoch", 600)  # the test's keys go away by themselves
+        for key in ("epoch", "primary"):  # the test's keys go away by themselves
+            await client.expire(f"{prefix}{key}", 600)
         # In one batch: the early one refused, the late one stored, the late one's copy a replay.
         results = list(
             await asyncio.gather(

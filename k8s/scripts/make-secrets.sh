@@ -115,11 +115,13 @@ trap 'rm -rf -- "$work"' EXIT
 
 printf 'redis://cryptd:%s@%s:%s/0' "$password" "$redis_host" "$redis_port" > "$work/url"
 password_hash=$(printf '%s' "$password" | sha256sum | cut -d' ' -f1)
-# Only the commands cryptd sends (replay nonces: SET NX EX; rate limit: one Lua script using
-# TIME, HMGET, HSET, PEXPIRE), only on its own key prefix. No admin or dangerous command.
+# Only the commands cryptd sends (replay nonces: SET NX EX, and the INFO sections server and
+# replication only, which tell a restarted or promoted Redis by its run and replication ids;
+# rate limit: one Lua script using TIME, HMGET, HSET, PEXPIRE), only on its own key prefix.
+# No admin or dangerous command.
 cat > "$work/users.acl" <<EOF
 user default off
-user cryptd on #$password_hash resetkeys ~cryptd:* resetchannels -@all +ping +echo +select +client|setname +client|getname +client|id +set +get +del +exists +expire +pexpire +ttl +pttl +hmget +hset +time +eval +evalsha +script|load +script|exists
+user cryptd on #$password_hash resetkeys ~cryptd:* resetchannels -@all +ping +echo +select +client|setname +client|getname +client|id +set +get +del +exists +expire +pexpire +ttl +pttl +hmget +hset +time +info|server +info|replication +eval +evalsha +script|load +script|exists
 EOF
 
 ns_args=()

@@ -199,8 +199,17 @@ def create_app(
         return ok, detail
 
     async def replay_ready() -> tuple[bool, dict[str, Any]]:
-        ok = await auth.replay.ping()
-        return ok, {"backend": auth.replay.backend}
+        health = await auth.replay.health()
+        detail: dict[str, Any] = {"backend": auth.replay.backend}
+        if auth.redis_target is not None and auth.redis_target.mode != "standalone":
+            detail["redis"] = auth.redis_target.describe()  # Sentinels or Cluster seeds
+        if health.reason is not None:
+            detail["reason"] = health.reason
+        if health.retry_after is not None:
+            detail["retry_after"] = health.retry_after
+        if health.degraded is not None:
+            detail["degraded"] = health.degraded
+        return health.ok, detail
 
     # Which server worker answered (each has its own connections): lets a client or a test
     # reach every worker by opening connections until each index has been seen.
@@ -221,7 +230,7 @@ def create_app(
         status = await run_in_threadpool(seal.status)
         detail: dict[str, Any] = {"kind": status.kind, "available": status.available}
         if not status.available:
-            detail.update(degraded=True, reason=status.reason)
+            detail.update(degraded=f"seal: {status.reason}", reason=status.reason)
         return True, detail
 
     readiness: list[tuple[str, ReadinessCheck]] = [
@@ -262,6 +271,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         for executor in by_kind.values():
             await executor.start()
+        # The replay store's epoch starts now, not at the first request (readiness says
+        # until when requests signed before it are refused).
+        await auth.start()
         # What startup built (FastAPI, pydantic schemas, keys: ~77k objects) lives until exit.
         # Frozen, it is no longer walked by every full collection (17 ms each here), which
         # showed as the tail of batch latency: P99 33-41 ms -> 20-23 ms.

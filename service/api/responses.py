@@ -202,6 +202,10 @@ class Health(_Answer):
 
 class Readiness(_Answer):
     status: Literal["ready", "degraded", "not_ready"]
+    reasons: list[str] = Field(
+        description="Why the service is not ready, or serves degraded (empty when ready); "
+        "e.g. the replay store's refusal window after a start, restart or failover."
+    )
     checks: dict[str, dict[str, Any]] = Field(
         description="One entry per check (keyring, pool, replay_store, ...), each with 'ok'."
     )

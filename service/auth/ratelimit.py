@@ -1,7 +1,8 @@
 """Per-client token buckets: ``rate`` requests per second on average, bursts up to ``burst``.
 
 In memory for one process; in Redis (one atomic Lua script, Redis's clock) when replicas
-share the limit. If Redis cannot answer, the limiter falls back to the in-memory buckets of
+share the limit: one Redis, the primary Sentinel names, or a Redis Cluster (a bucket is one key,
+so it lives on one slot). If Redis cannot answer, the limiter falls back to the in-memory buckets of
 this process - a rate limit is a guard against runaway clients, not an authentication check,
 so it degrades rather than failing every request.
 """
@@ -16,11 +17,11 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis.exceptions
 
-from service.auth.redis_client import PipelineBatcher
+from service.auth.redis_client import REDIS_ERRORS, PipelineBatcher
 from service.errors import RateLimited
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from service.auth.redis_client import RedisClient
 
 logger = logging.getLogger("cryptd.auth")
 
@@ -105,7 +106,7 @@ class RedisRateLimiter:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         rate: float,
         burst: int = 0,
         *,
@@ -121,7 +122,7 @@ class RedisRateLimiter:
     async def acquire(self, client_id: str) -> None:
         try:
             allowed, wait = await self._run(self._prefix + client_id)
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+        except REDIS_ERRORS as exc:
             if not self._degraded:
                 self._degraded = True
                 logger.warning(
@@ -140,10 +141,8 @@ class RedisRateLimiter:
         command = ("EVALSHA", _BUCKET_SHA, 1, key, repr(self.rate), self.burst)
         reply = await self._batcher.execute(*command)
         if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted or flushed
-            loaded = await self._batcher.execute("SCRIPT", "LOAD", _BUCKET_SCRIPT)
-            if isinstance(loaded, Exception):
-                raise loaded
-            reply = await self._batcher.execute(*command)
+            # The script itself (then cached): on a Cluster it reaches the bucket's node.
+            reply = await self._batcher.execute("EVAL", _BUCKET_SCRIPT, *command[2:])
         if isinstance(reply, Exception):
             raise reply
         allowed, wait = reply

@@ -15,21 +15,23 @@ most ``max_skew`` seconds ahead of its acceptance, so none of them is accepted a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import math
 import time
+import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Any, Final, Protocol
 
-import redis.exceptions
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError
 
 from service.auth.coalesce import Coalescer
-from service.auth.redis_client import SerialConnection
+from service.auth.redis_client import REDIS_ERRORS, RedisClient, sender
 from service.auth.signature import DEFAULT_MAX_SKEW
-
-if TYPE_CHECKING:
-    from redis.asyncio import Redis
 
 KEY_PREFIX: Final = "cryptd:nonce:"
 DEFAULT_MAX_ENTRIES: Final = 1_000_000
@@ -49,6 +51,18 @@ class StoreRecovering(StoreUnavailable):
         self.retry_after = min(max(1, retry_after), 3600)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplayHealth:
+    """What readiness says of the store: ``ok`` (it accepts requests signed now), a
+    ``reason`` when it does not, ``degraded`` when it serves without a safety margin (a
+    Sentinel-managed primary with no replica left)."""
+
+    ok: bool
+    reason: str | None = None
+    degraded: str | None = None
+    retry_after: int | None = None  # seconds until the refusal window ends
+
+
 class ReplayStore(Protocol):
     backend: str  # "memory", "host" or "redis" (readiness)
 
@@ -62,6 +76,10 @@ class ReplayStore(Protocol):
 
     async def ping(self) -> bool:
         """Whether the store answers and accepts requests signed now (readiness)."""
+        ...
+
+    async def health(self) -> ReplayHealth:
+        """:meth:`ping` with the reason when not (and whether it serves degraded)."""
         ...
 
     async def aclose(self) -> None:
@@ -121,34 +139,99 @@ class MemoryReplayStore:
     async def ping(self) -> bool:
         return True
 
+    async def health(self) -> ReplayHealth:
+        return ReplayHealth(True)
+
     async def aclose(self) -> None:
         return None
 
 
-# KEYS[1]: the store's epoch key; KEYS[2..]: nonce keys. ARGV[1]: the maximum skew (s); then,
-# per nonce key, its TTL and its request's created time. Returns, per nonce: 1 the first time,
-# 0 for a replay, a negative -n for a request created n seconds before epoch + skew (refused).
-# The epoch is this Redis's first script call: Redis's clock, rounded up, set once (NX) and
-# never expiring, so it disappears only with every nonce (a restart, a flush).
-_SET_MANY_SCRIPT: Final = """
-local now = redis.call('TIME')
-redis.call('SET', KEYS[1], tostring(tonumber(now[1]) + 1), 'NX')
-local floor = tonumber(redis.call('GET', KEYS[1])) + tonumber(ARGV[1])
-local out = {}
-for i = 2, #KEYS do
-  local created = tonumber(ARGV[2 * i - 1])
+# The identity of the Redis that runs the script: its run id (new at every start) and its
+# replication id (new when a replica is promoted). Both appear in INFO, readable from a script,
+# so the check is atomic with the nonces it guards. A server whose INFO lacks them (a
+# Redis-like service hiding them) is refused, never trusted with an identity that cannot change.
+_IDENTITY_LUA: Final = """
+local server = redis.call('INFO', 'server')
+local replication = redis.call('INFO', 'replication')
+local run = string.match(server, 'run_id:(%w+)')
+local replid = string.match(replication, 'master_replid:(%w+)')
+if not run or not replid then
+  return redis.error_reply('ERR cryptd: INFO shows no run_id or master_replid')
+end
+local identity = run .. ':' .. replid
+local replicas = tonumber(string.match(replication, 'connected_slaves:(%d+)')) or 0
+"""
+# KEYS[1]: the epoch key; KEYS[2]: the identity of the Redis that set it; KEYS[3..]: nonce
+# keys. ARGV[1]: the maximum skew (s); then, per nonce key, its TTL and its request's created
+# time. Returns {seconds until the refusal window ends (<= 0: over), connected replicas, then
+# per nonce: 1 the first time, 0 for a replay, -n for a request created n seconds before
+# epoch + skew (refused)}. The epoch is Redis's clock, rounded up, taken again whenever the
+# Redis answering is not the one that set it: a restart (even one that reloaded a snapshot
+# with the epoch in it) or a promoted replica (which may lack the last nonces its old primary
+# accepted) refuses what was signed before, as a store with no epoch at all does.
+_SET_MANY_SCRIPT: Final = (
+    _IDENTITY_LUA
+    + """
+local now = tonumber(redis.call('TIME')[1])
+local epoch = tonumber(redis.call('GET', KEYS[1]))
+if epoch == nil or redis.call('GET', KEYS[2]) ~= identity then
+  if epoch == nil or epoch < now + 1 then
+    epoch = now + 1
+    redis.call('SET', KEYS[1], tostring(epoch))
+  end
+  redis.call('SET', KEYS[2], identity)
+end
+local floor = epoch + tonumber(ARGV[1])
+local out = {floor - now, replicas}
+for i = 3, #KEYS do
+  local created = tonumber(ARGV[2 * i - 3])
   if created < floor then
-    out[i - 1] = created - floor
-  elseif redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2 * i - 2]) then
-    out[i - 1] = 1
+    out[i] = created - floor
+  elseif redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2 * i - 4]) then
+    out[i] = 1
   else
-    out[i - 1] = 0
+    out[i] = 0
   end
 end
 return out
 """
+)
 # Redis names scripts by their SHA-1 (an identifier, not a security function).
 _SET_MANY_SHA: Final = hashlib.sha1(_SET_MANY_SCRIPT.encode(), usedforsecurity=False).hexdigest()
+# Records the Redis answering now as the one whose epoch is ``ARGV[1]`` (unless an epoch is
+# set): for a Redis that has never accepted a request, so there is nothing to wait for (tests,
+# a deployment's first start with clients created with the store).
+SEED_SCRIPT: Final = (
+    _IDENTITY_LUA
+    + """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('SET', KEYS[2], identity)
+return 1
+"""
+)
+
+# Redis Cluster runs a script only over keys of one slot. Nonces are spread over PARTITIONS
+# hash tags, each with its own epoch and identity keys, chosen so that the tags' slots are
+# evenly spaced over the 16,384: every shard gets its share whatever its slot range. A nonce's
+# partition is a hash of its client id and nonce, so a replay meets its original.
+PARTITIONS: Final = 64
+HASH_SLOTS: Final = 16384
+
+
+def partition_tags(count: int) -> tuple[str, ...]:
+    tags = []
+    width = HASH_SLOTS // count
+    candidate = 0
+    for index in range(count):
+        while True:
+            tag = f"p{candidate}"
+            candidate += 1
+            slot = key_slot(tag.encode())
+            if index * width <= slot < (index + 1) * width:
+                tags.append(tag)
+                candidate = 0
+                break
+    return tuple(tags)
 
 
 class RedisReplayStore:
@@ -156,55 +239,145 @@ class RedisReplayStore:
 
     Pass a client built by :func:`service.auth.redis_client.connect` (short timeouts, one quick
     retry): a dead Redis then costs milliseconds per request, not seconds, and redis-py
-    reconnects by itself when it returns. The nonces of concurrent requests go to Redis
-    together: one Lua script runs the SETs of a whole batch (:mod:`service.auth.coalesce`),
-    ~7 us of CPU per nonce instead of ~100 us. The same script keeps the epoch
-    (``<prefix>epoch``), so every batch sees the epoch it is checked against atomically. A
-    script touches keys of many clients, so the store needs a standalone Redis (or one
-    shard), not Redis Cluster.
+    reconnects by itself when it returns (through the Sentinels, to whichever primary they
+    name). The nonces of concurrent requests go to Redis together: one Lua script runs the SETs
+    of a whole batch (:mod:`service.auth.coalesce`), ~7 us of CPU per nonce instead of ~100
+    us. The same script keeps the epoch (``<prefix>epoch``) and the identity of the Redis that
+    set it (``<prefix>primary``), so every batch is checked against the epoch of the Redis
+    that stores it. On Redis Cluster the keys carry a hash tag (``<prefix>{pN}:...``, one of
+    :data:`PARTITIONS`): a batch is split by tag and each part runs on its own slot.
     """
 
     backend = "redis"
 
     def __init__(
-        self, client: Redis, *, prefix: str = KEY_PREFIX, max_skew: int = DEFAULT_MAX_SKEW
+        self,
+        client: RedisClient,
+        *,
+        prefix: str = KEY_PREFIX,
+        max_skew: int = DEFAULT_MAX_SKEW,
+        sentinel: bool | None = None,
     ) -> None:
         self._redis = client
-        self._connection = SerialConnection(client)
+        self._connection = sender(client)
         self._prefix = prefix
-        # No client id is "epoch" followed by nothing: nonce keys always have a second ':'.
-        self._epoch_key = f"{prefix}epoch"
+        self._cluster = isinstance(client, RedisCluster)
+        # Sentinel: a primary that lost its replica still serves, but says so (degraded).
+        self._sentinel = (
+            isinstance(client, Redis) and isinstance(client.connection_pool, SentinelConnectionPool)
+            if sentinel is None
+            else sentinel
+        )
+        # No client id is "epoch" or "primary" followed by nothing: nonce keys always have a
+        # second ':'.
+        self._tags: tuple[str, ...] = partition_tags(PARTITIONS) if self._cluster else ("",)
         self._max_skew = max_skew
-        self._coalescer: Coalescer[tuple[str, int, int], int] = Coalescer(self._set_many)
+        self._coalescer: Coalescer[tuple[str, int, int], int | Exception] = Coalescer(
+            self._set_many
+        )
+
+    def _base(self, tag: str) -> str:
+        return f"{self._prefix}{{{tag}}}:" if tag else self._prefix
 
     async def remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
         # keyid is a client id ([A-Za-z0-9_.-], no ':'), so the key is unambiguous.
-        key = f"{self._prefix}{keyid}:{nonce}"
+        pair = f"{keyid}:{nonce}"
+        tag = self._tags[zlib.crc32(pair.encode()) % len(self._tags)] if self._cluster else ""
         try:
-            verdict = await self._coalescer.submit((key, max(1, ttl), created))
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
+            verdict = await self._coalescer.submit((self._base(tag) + pair, max(1, ttl), created))
+        except REDIS_ERRORS as exc:
             # Connection refused or lost, timeout, READONLY during a failover, OOM, ...
             raise StoreUnavailable(type(exc).__name__) from exc
+        if isinstance(verdict, Exception):  # this nonce's shard alone could not answer
+            raise StoreUnavailable(type(verdict).__name__) from verdict
         if verdict < 0:
             raise StoreRecovering(-verdict)
         return bool(verdict)
 
-    async def _set_many(self, items: Sequence[tuple[str, int, int]]) -> list[int]:
-        keys = [self._epoch_key, *(key for key, _, _ in items)]
-        args = [self._max_skew, *(value for _, ttl, created in items for value in (ttl, created))]
-        command = (len(keys), *keys, *args)
-        (replies,) = await self._connection.pipeline([("EVALSHA", _SET_MANY_SHA, *command)])
-        if isinstance(replies, redis.exceptions.NoScriptError):  # Redis restarted or flushed
-            (replies,) = await self._connection.pipeline([("EVAL", _SET_MANY_SCRIPT, *command)])
-        if isinstance(replies, Exception):
-            raise replies
-        return [int(reply) for reply in replies]
+    def _tag_of(self, key: str) -> str:
+        if not self._cluster:
+            return ""
+        return key[len(self._prefix) + 1 : key.index("}", len(self._prefix))]
+
+    async def _set_many(self, items: Sequence[tuple[str, int, int]]) -> list[int | Exception]:
+        groups: dict[str, list[int]] = {}
+        for index, (key, _, _) in enumerate(items):
+            groups.setdefault(self._tag_of(key), []).append(index)
+        tags = list(groups)
+        replies = await self._run([[items[i] for i in groups[tag]] for tag in tags], tags)
+        verdicts: list[int | Exception] = [0] * len(items)
+        for tag, reply in zip(tags, replies, strict=True):
+            for position, index in enumerate(groups[tag]):
+                # On a Cluster, a shard that fails refuses its own nonces, not the batch's.
+                verdicts[index] = (
+                    reply if isinstance(reply, Exception) else int(reply[2 + position])
+                )
+        return verdicts
+
+    async def _run(
+        self, batches: Sequence[Sequence[tuple[str, int, int]]], tags: Sequence[str]
+    ) -> list[list[Any] | Exception]:
+        """One script call per tag (one call in all but on a Cluster), in one round trip;
+        a call's error reply comes back in its place (a lost connection to a single Redis is
+        raised)."""
+        commands = []
+        for batch, tag in zip(batches, tags, strict=True):
+            base = self._base(tag)
+            keys = [f"{base}epoch", f"{base}primary", *(key for key, _, _ in batch)]
+            args = [self._max_skew, *(v for _, ttl, created in batch for v in (ttl, created))]
+            commands.append((len(keys), *keys, *args))
+        replies = await self._connection.pipeline(
+            [("EVALSHA", _SET_MANY_SHA, *command) for command in commands]
+        )
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:  # Redis restarted or flushed its scripts: send the script itself
+            again = await self._connection.pipeline(
+                [("EVAL", _SET_MANY_SCRIPT, *commands[i]) for i in missing]
+            )
+            for index, reply in zip(missing, again, strict=True):
+                replies[index] = reply
+        return [reply if isinstance(reply, Exception) else list(reply) for reply in replies]
+
+    async def establish(self) -> ReplayHealth:
+        """Set the epoch now if the Redis answering has none (at start, and at every readiness
+        probe), and say whether requests signed now are accepted. Raises what the Redis client
+        raises when it cannot answer."""
+        replies = []
+        for reply in await self._run([[] for _ in self._tags], self._tags):
+            if isinstance(reply, Exception):
+                raise reply
+            replies.append(reply)
+        remaining = max(int(reply[0]) for reply in replies)
+        replicas = min(int(reply[1]) for reply in replies)
+        degraded = None
+        if self._sentinel and replicas == 0:
+            degraded = "the Redis primary has no replica: losing it now loses the nonces"
+        if remaining > 0:
+            return ReplayHealth(
+                False,
+                f"replay store: a new Redis primary (start, restart or failover) refuses "
+                f"requests signed before its epoch for {remaining} s more",
+                degraded,
+                remaining,
+            )
+        return ReplayHealth(True, None, degraded)
+
+    async def health(self) -> ReplayHealth:
+        try:
+            return await self.establish()
+        except REDIS_ERRORS as exc:
+            return ReplayHealth(False, f"replay store: Redis unreachable ({_describe(exc)})")
 
     async def ping(self) -> bool:
-        try:
-            return bool(await self._redis.ping())
-        except (redis.exceptions.RedisError, OSError, TimeoutError):
-            return False
+        return (await self.health()).ok
 
     async def aclose(self) -> None:
         await self._connection.aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    """An error's type and first line, without credentials (redis-py's messages name hosts
+    and commands, never passwords)."""
+    text = str(exc).strip().splitlines()
+    first = text[0][:160] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

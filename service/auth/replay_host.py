@@ -54,7 +54,7 @@ from typing import Final
 import lmdb
 
 from service.auth.coalesce import TickBatcher
-from service.auth.replay import StoreRecovering, StoreUnavailable
+from service.auth.replay import ReplayHealth, StoreRecovering, StoreUnavailable
 from service.auth.signature import DEFAULT_MAX_AGE, DEFAULT_MAX_SKEW
 
 BUCKET_SECONDS: Final = 60
@@ -227,10 +227,21 @@ class HostReplayStore:
             return sum(txn.stat(slot)["entries"] for slot in self._slots)
 
     async def ping(self) -> bool:
+        return (await self.health()).ok
+
+    async def health(self) -> ReplayHealth:
         try:
-            return time.time() >= self.epoch + self.max_skew
-        except lmdb.Error:
-            return False
+            remaining = math.ceil(self.epoch + self.max_skew - time.time())
+        except lmdb.Error as exc:
+            return ReplayHealth(False, f"replay store {self.path}: {type(exc).__name__}")
+        if remaining > 0:
+            return ReplayHealth(
+                False,
+                f"replay store: a new host store refuses requests signed before its epoch "
+                f"for {remaining} s more",
+                retry_after=remaining,
+            )
+        return ReplayHealth(True)
 
     def close(self) -> None:
         self._env.close()

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from service.auth.clients import generate_secret, write_document
 from service.auth.replay_host import HostReplayStore
+from service.auth.setup import check_redis_url
 from service.cli import preflight
 from service.cli.supervisor import Supervisor
 from service.config import Settings, decode_master_key, settings_problems
@@ -254,6 +255,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         return _refuse(settings_problems(exc))
     report = preflight.check(settings, reach_redis=args.check)
+    if settings.redis_url:
+        try:
+            check_redis_url(settings.redis_url)
+        except ValueError as exc:
+            report.problems.append(str(exc))
     docs_problem = _docs_problem(settings)
     if docs_problem:
         report.problems.append(docs_problem)

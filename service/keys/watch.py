@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+from service.errors import KeystoreUnavailable
 from service.keys.keyring import Keyring
 from service.keys.manager import KeyManager
 from service.keys.propagation import HEARTBEAT, Replicas
@@ -80,11 +81,22 @@ class KeyringWatcher:
 
     async def after_miss(self, since: float) -> None:
         """Return once a store check that started at or after loop time ``since`` is done.
-        While the store is known to be unreachable, at once: the keys in memory answer, and
-        the periodic check reconnects (a miss must not wait for a connection timeout)."""
-        if self._manager.store_unreachable is not None:
-            return
-        await self._check(since, rate_limited=True)
+
+        A name or version this worker does not know may exist in the store: only a check that
+        read and verified the store can say it does not. While the store cannot be read (a
+        failover, a promotion) or its content is refused, raise 503 ``keystore_unavailable``
+        (with Retry-After) instead of letting the caller answer 404 for a key that exists; at
+        once when the store is already known to be unreachable (a miss must not wait for a
+        connection timeout: the periodic check reconnects)."""
+        if self._manager.store_unreachable is None:
+            await self._check(since, rate_limited=True)
+        why = self._manager.store_error
+        if why is not None:
+            raise KeystoreUnavailable(
+                "the key store cannot be read now, so this worker cannot tell whether the key "
+                "or version exists (it is not in the keyring in memory); retry in a moment "
+                f"({why})"
+            )
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()

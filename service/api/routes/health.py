@@ -40,15 +40,25 @@ async def readyz(request: Request) -> Response:
         keyring_check["store_unreachable"] = keys.store_unreachable
     checks["keyring"] = keyring_check
     reasons: list[str] = []
+    degraded: list[str] = []
+    retry_after = 1
     for name, check in services.readiness:
         ok, detail = await check()
         checks[name] = {"ok": ok, **detail}
         ready = ready and ok
-        if not ok:  # a check says why it fails ("reason"): the body names them all
+        # A check says why it fails ("reason"), why it serves without a margin ("degraded"),
+        # and how long its window lasts ("retry_after"): the body's reasons name them all.
+        if not ok:
             reasons.append(str(detail.get("reason") or f"{name} not ready"))
+            retry_after = max(retry_after, int(detail.get("retry_after") or 1))
+        if detail.get("degraded"):
+            degraded.append(str(detail["degraded"]))
+    if keys.store_error is not None:
+        degraded.append(f"key store: {keys.store_error}")
     status = "ready" if ready else "not_ready"
-    degraded = any(check.get("degraded") for check in checks.values())
-    if ready and (keys.store_error is not None or degraded):
+    if ready and degraded:
         status = "degraded"
-    body = {"status": status, "reasons": reasons, "checks": checks}
-    return json_response(body, status=200 if ready else 503)
+    body = {"status": status, "reasons": reasons + degraded, "checks": checks}
+    if ready:
+        return json_response(body)
+    return json_response(body, status=503, headers={"Retry-After": str(retry_after)})
