@@ -59,7 +59,7 @@ class Document:
 
 
 DOCUMENTS: dict[str, Document] = {
-    "README.md": Document(("try-it",), dev_server=True),
+    "README.md": Document(("try-it", "keys-file"), dev_server=True),
     "client/README.md": Document(("example",), server_of="README.md"),
     "docs/MIGRATION.md": Document(
         (

@@ -204,7 +204,7 @@ def test_start_refused_with_one_line(
         if "PIN" in expected:
             token.pin_file.write_text("00000000\n")
         result = _cryptd(fault_env, "serve", "--port", str(free_port()))
-        assert result.returncode == 1
+        assert result.returncode == 2  # a configuration refused at start
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
         assert result.stderr.startswith("cryptd: error: ")
         assert expected in result.stderr

@@ -56,8 +56,8 @@ _NEW_KEY = ("type", "deletion_allowed", "derived", "convergent")
 OPTIONS: dict[str, tuple[str, ...]] = {
     "encrypt": (*_INPUT, "aad", "context", "key_version"),
     "decrypt": (*_INPUT, "aad", "context", "key_version", "format", "raw"),
-    "sign": (*_INPUT, *_SIGNING),
-    "verify": (*_INPUT, *_SIGNING, "signature", "mac", "context"),
+    "sign": (*_INPUT, *_SIGNING, "context", "message_type"),
+    "verify": (*_INPUT, *_SIGNING, "signature", "mac", "context", "message_type"),
     "rewrap": (*_INPUT, "aad", "context", "to_key"),
     "datakey": ("bits", "no_plaintext", "aad", "context"),
     "hmac": (*_INPUT, "key_version", "context"),
