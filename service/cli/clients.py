@@ -53,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="IDENTITY",
         help="mutual TLS: a client certificate identity it may present, a SAN URI "
-        "(spiffe://...) or DNS name (repeatable); its signed requests must then come over one",
+        "(spiffe://... or URI:...) or DNS name (name or DNS:name) (repeatable); its signed "
+        "requests must then come over one",
     )
     add.add_argument(
         "--certificate-only",
