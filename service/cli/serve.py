@@ -124,9 +124,15 @@ def _verify_key_store(settings: Settings, master_key: bytes) -> None:
     """Load and verify the keyring once before any worker does, as each worker will: a
     keyring that fails verification, a wrong master key, another deployment's store or an
     unreachable one stops the start here with one line saying why (KeystoreError), instead of
-    a traceback from every worker. Read only: nothing is written."""
+    a traceback from every worker. The keyring is only read; the temporary copies of it a
+    killed writer left behind are removed first."""
     store = open_store(settings.keystore_url_value(), settings.keyring_file)
     try:
+        removed = store.remove_leftovers()
+        if removed:
+            log.warning(
+                "removed %d temporary keyring file(s) left by an interrupted write", removed
+            )
         KeyManager(store, MasterKey(master_key), expected_deployment=settings.keystore_id).load()
     finally:
         store.close()
