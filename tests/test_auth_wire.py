@@ -43,7 +43,8 @@ def test_a_second_signature_field_line_is_401(server: Server, field: str) -> Non
     # The bogus line first, then the complete valid request: the last member must not win.
     status, body = _send(server, [(field, bogus), *valid])
     assert status == 401, body
-    assert isinstance(body, dict) and body["error"]["code"] == "unauthenticated"
+    assert isinstance(body, dict)
+    assert body["error"]["code"] == "unauthenticated"
     # A valid line repeated after itself is still two signatures.
     again = _lines(server, "again-" + field)
     status, _ = _send(server, [*again, (field, dict(again)[field])])

@@ -62,7 +62,8 @@ def test_a_killed_writers_copy_is_removed_and_nothing_else(tmp_path: Path) -> No
     assert FileKeyStore(path).remove_leftovers() == 1
     assert not left.exists()
     assert all(other.exists() for other in keep)
-    assert link.is_symlink() and outside.read_bytes() == b"keep me"
+    assert link.is_symlink()
+    assert outside.read_bytes() == b"keep me"
     assert path.read_bytes() == before
     assert FileKeyStore(path).remove_leftovers() == 0
 
@@ -79,7 +80,8 @@ def test_a_writer_mid_write_is_waited_for(tmp_path: Path) -> None:
         sweeper = threading.Thread(target=lambda: result.append(store.remove_leftovers()))
         sweeper.start()
         time.sleep(0.3)
-        assert in_flight.exists() and not result
+        assert in_flight.exists()
+        assert not result
         in_flight.rename(path.with_name("renamed"))  # the writer's rename
     sweeper.join(10)
     assert result == [0]
