@@ -28,6 +28,7 @@ from service.auth.clients import (
     load_registry,
     parse_allow_spec,
     parse_certificate_identity,
+    show_certificate_identity,
 )
 from service.cli import main
 from service.edge.devcerts import make_ca
@@ -333,6 +334,9 @@ def test_certificate_identities_match_only_their_own_type(tmp_path: Path) -> Non
 )
 def test_certificate_identity_spellings(listed: str, typed: str) -> None:
     assert parse_certificate_identity("c", listed) == typed
+    shown = show_certificate_identity(typed)  # as `cryptd clients list` shows it
+    assert parse_certificate_identity("c", shown) == typed
+    assert ":" not in shown.partition("://")[0]  # untyped: every one of these reads back
 
 
 @pytest.mark.parametrize(

@@ -228,6 +228,14 @@ def parse_certificate_identity(client_id: str, raw: object) -> str:
     )
 
 
+def show_certificate_identity(identity: str) -> str:
+    """An identity as a clients file would list it: untyped where that reads back the same
+    (every DNS name, a URI with a scheme), typed otherwise."""
+    value = identity.partition(":")[2]
+    untyped = _URI_IDENTITY.fullmatch(value) or _DNS_IDENTITY.fullmatch(value)
+    return value if untyped and parse_certificate_identity("-", value) == identity else identity
+
+
 def _certificates(client_id: str, raw: Mapping[str, Any]) -> tuple[frozenset[str], bool]:
     listed = raw.get("certificates", [])
     if not isinstance(listed, list):

@@ -20,6 +20,7 @@ from service.auth.clients import (
     parse_client,
     parse_clients,
     read_document,
+    show_certificate_identity,
     write_document,
 )
 
@@ -158,7 +159,7 @@ def _list(args: argparse.Namespace) -> int:
             "allow": [rule.to_json() for rule in client.allow],
         }
         if client.certificates:
-            entry["certificates"] = sorted(client.certificates)
+            entry["certificates"] = sorted(map(show_certificate_identity, client.certificates))
         if client.certificate_only:
             entry["authentication"] = "certificate"
         listing.append(entry)
