@@ -8,7 +8,7 @@ import binascii
 import os
 import urllib.parse
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -250,6 +250,8 @@ class Settings(SealSettings):
     request_read_timeout: float = Field(default=30.0, gt=0, le=3600)
     keepalive_timeout: int = Field(default=5, ge=1, le=3600)
     max_batch_items: int = Field(default=1000, ge=1)
+    # Per key type, in place of the limit derived from service/batchcost.py's cost table.
+    max_batch_items_by_type: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
 
     pool_workers: int = Field(default=0, ge=0)  # 0: cores / server workers (docs/EXECUTORS.md)
     pool_max_pending: int = Field(default=2048, ge=1)
@@ -307,6 +309,14 @@ class Settings(SealSettings):
 
     def keystore_url_value(self) -> str | None:
         return None if self.keystore_url is None else self.keystore_url.get_secret_value()
+
+    @field_validator("max_batch_items_by_type", mode="after")
+    @classmethod
+    def _known_types(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(DEFAULT_EXECUTORS))
+        if unknown:
+            raise ValueError(f"unknown key type(s) {unknown}; known: {sorted(DEFAULT_EXECUTORS)}")
+        return value
 
     @field_validator("executors", mode="after")
     @classmethod

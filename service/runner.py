@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
 from service import operations, pool_tasks
+from service.batchcost import BatchLimits
 from service.errors import KeyNotFound, Overloaded
 from service.keys.keyring import Key, Keyring
 from service.keys.manager import KeyManager
@@ -33,8 +34,10 @@ class CryptoRunner:
         on_overload: Callable[[], None] | None = None,
         watcher: KeyringWatcher | None = None,
         usage: UsageRecorder | None = None,
+        batch_limits: BatchLimits | None = None,
     ) -> None:
-        """``usage`` counts every successful item (a dictionary increment, flushed later)."""
+        """``usage`` counts every successful item (a dictionary increment, flushed later);
+        ``batch_limits`` refuses (413) a batch too large for its key type before any work."""
         self._keys = keys
         self._board = keys.board.cell  # the host's generation board, read on every request
         self._watcher = watcher
@@ -44,6 +47,7 @@ class CryptoRunner:
         self._observer = observer
         self._on_overload = on_overload
         self._usage = usage
+        self._batch_limits = batch_limits
         self._sliced_of: Keyring | None = None  # the snapshot _sliced_names was found in
         self._sliced_names: frozenset[str] = frozenset()
 
@@ -88,6 +92,8 @@ class CryptoRunner:
         operations.check_operation(key, op)
         if not items:
             return []
+        if len(items) > 1 and self._batch_limits is not None:
+            self._batch_limits.check(key.type.name, op, len(items))
         results = await self._dispatch(keyring, key, op, name, items)
         if self._watcher is not None:
             for outcome in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import logging
 import os
@@ -14,15 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
+from service.auth.certs import identities_of
 from service.auth.clients import (
     ClientRegistry,
     ClientsFile,
     ClientsFileError,
     load_registry,
     parse_allow_spec,
+    parse_certificate_identity,
+    show_certificate_identity,
 )
 from service.cli import main
+from service.edge.devcerts import make_ca
 
 GOOD = base64.b64encode(bytes(range(100, 132))).decode()  # 32 distinct, non-text bytes
 
@@ -266,3 +275,73 @@ def test_concurrent_adds_keep_every_client(tmp_path: Path) -> None:
     ]
     assert [p.wait(timeout=60) for p in procs] == [0] * 6
     assert sorted(c.client_id for c in load_registry(path)) == [f"c{i}" for i in range(6)]
+
+
+def _certificate(*names: x509.GeneralName) -> str:
+    ca = make_ca("identity test CA")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "certonly.example")]))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
+        .sign(ca.key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+
+
+def test_certificate_identities_match_only_their_own_type(tmp_path: Path) -> None:
+    """A URI SAN spelled like a host name is not that DNS name, nor the other way round."""
+    registry = _load(
+        tmp_path,
+        {
+            "by-dns": {"authentication": "certificate", "certificates": ["certonly.example"]},
+            "by-uri": {
+                "authentication": "certificate",
+                "certificates": ["URI:spiffe://test.example/app"],
+            },
+            "typed-dns": {"authentication": "certificate", "certificates": ["DNS:typed.example"]},
+        },
+    )
+
+    def client_of(*names: x509.GeneralName) -> str | None:
+        found = registry.by_certificate(identities_of(_certificate(*names)))
+        return None if found is None else found.client_id
+
+    assert client_of(x509.UniformResourceIdentifier("certonly.example")) is None
+    assert client_of(x509.DNSName("certonly.example")) == "by-dns"
+    assert client_of(x509.UniformResourceIdentifier("spiffe://test.example/app")) == "by-uri"
+    assert client_of(x509.DNSName("spiffe://test.example/app")) is None
+    assert client_of(x509.DNSName("typed.example")) == "typed-dns"
+    assert client_of(x509.UniformResourceIdentifier("typed.example")) is None
+
+
+@pytest.mark.parametrize(
+    ("listed", "typed"),
+    [
+        ("batch.example.org", "DNS:batch.example.org"),
+        ("spiffe://example.org/ns/a/sa/b", "URI:spiffe://example.org/ns/a/sa/b"),
+        ("DNS:batch.example.org", "DNS:batch.example.org"),
+        ("dns:*.example.org", "DNS:*.example.org"),
+        ("URI:spiffe://example.org/x", "URI:spiffe://example.org/x"),
+        ("dns://resolver.example/x", "URI:dns://resolver.example/x"),
+    ],
+)
+def test_certificate_identity_spellings(listed: str, typed: str) -> None:
+    assert parse_certificate_identity("c", listed) == typed
+    shown = show_certificate_identity(typed)  # as `cryptd clients list` shows it
+    assert parse_certificate_identity("c", shown) == typed
+    assert ":" not in shown.partition("://")[0]  # untyped: every one of these reads back
+
+
+@pytest.mark.parametrize(
+    "listed", ["URI:certonly.example", "DNS:spiffe://x.example/a", "IP:127.0.0.1", "DNS:", ""]
+)
+def test_certificate_identity_with_the_wrong_form_for_its_type_is_refused(listed: str) -> None:
+    with pytest.raises(ClientsFileError, match="certificate identity"):
+        parse_certificate_identity("c", listed)

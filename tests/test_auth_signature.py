@@ -18,6 +18,7 @@ from http_sfv.dictionary import Dictionary
 from http_sfv.item import InnerList
 
 from service.auth import signature as sig
+from service.auth.authenticator import signature_headers
 from service.auth.signature import (
     COVERED_COMPONENTS,
     AuthError,
@@ -288,6 +289,39 @@ def test_two_signatures_are_refused() -> None:
     headers = _signed()
     headers["Signature-Input"] += ", " + headers["Signature-Input"].replace("sig1=", "sig2=")
     headers["Signature"] += ", " + headers["Signature"].replace("sig1=", "sig2=")
+    assert _reason(lambda: _verify(headers)) == "malformed"
+
+
+def _bogus_signature_input() -> str:
+    return _signed(nonce="other-nonce", client_id="someone-else")["Signature-Input"]
+
+
+@pytest.mark.parametrize("field", ["Signature-Input", "Signature"])
+@pytest.mark.parametrize("separate_lines", [False, True])
+def test_a_repeated_signature_label_is_refused(field: str, separate_lines: bool) -> None:
+    """``sig1=<bogus>, sig1=<valid>``: RFC 8941 would keep the last member, which would let a
+    second signature (or a bogus one before the valid one) through. Whether the members share
+    a line or come as two field lines (combined as the server combines them), refused."""
+    headers = _signed()
+    bogus = (
+        _bogus_signature_input()
+        if field == "Signature-Input"
+        else "sig1=:" + base64.b64encode(bytes(32)).decode() + ":"
+    )
+    if separate_lines:
+        raw = [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+        raw.insert(0, (field.lower().encode(), bogus.encode()))
+        combined = signature_headers(raw)
+    else:
+        headers[field] = f"{bogus}, {headers[field]}"
+        combined = _lower(headers)
+    assert _reason(lambda: _verify(combined)) == "malformed"
+
+
+def test_a_repeated_label_in_one_signature_input_is_refused_after_the_valid_one() -> None:
+    headers = _signed()
+    headers["Signature-Input"] += ", " + headers["Signature-Input"]
+    headers["Signature"] += ", " + headers["Signature"]
     assert _reason(lambda: _verify(headers)) == "malformed"
 
 

@@ -137,3 +137,25 @@ def test_round_trip_every_field_and_every_refusal(tmp_path: Path) -> None:
     assert a == b
     # A second backup of the same key differs (fresh nonce) but restores the same key.
     assert source.backup("k") != blob
+
+
+@pytest.mark.parametrize(
+    ("type_name", "material"),
+    [("rsa-2048", b"not a PKCS#8 key"), ("aes256-gcm", bytes(7)), ("ed25519", b"")],
+)
+def test_an_authenticated_backup_whose_material_does_not_load_is_400_and_stores_nothing(
+    tmp_path: Path, type_name: str, material: bytes
+) -> None:
+    """Sealed under the right master key (it authenticates), but its material is not a key of
+    its type: refused before anything is written, and the store keeps verifying."""
+    master = MasterKey(os.urandom(32))
+    target = manager_for(tmp_path / "t", master)
+    target.create("kept", "aes256-gcm")
+    before = target.store.read()
+    metadata = {"type": type_name, "created_at": "2026-01-01T00:00:00Z"}
+    blob = backup.seal(master, "bad", metadata, ((1, "2026-01-01T00:00:00Z", material),))
+    with pytest.raises(InvalidRequest, match="version 1 of the key's material does not load"):
+        target.restore("bad", blob)
+    assert target.store.read() == before
+    reopened = KeyManager(FileKeyStore(tmp_path / "t" / "keyring.json"), master)
+    assert sorted(reopened.load()) == ["kept"]

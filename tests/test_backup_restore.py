@@ -15,6 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from service.config import decode_master_key
+from service.keys.backup import seal
+from service.keys.masterkey import MasterKey
 from tests.conftest import Server, start_server, stop_server
 from tests.test_api import assert_error
 
@@ -243,3 +246,24 @@ def test_dev_state_of_the_second_server_is_its_own(pair: tuple[Server, Server]) 
     assert_error(
         b.request("POST", "/v1/decrypt/aes256-gcm", {"ciphertext": token}), 400, "decryption_failed"
     )
+
+
+def test_an_authenticated_backup_whose_material_does_not_load_is_400(
+    pair: tuple[Server, Server],
+) -> None:
+    """Sealed under the server's own master key, so it authenticates, but its material is not
+    an RSA key: 400, nothing stored, and every worker stays ready (no failed verification)."""
+    _, server = pair
+    master_text = (server.directory / "dev" / "master.key").read_text()
+    master = MasterKey(decode_master_key(master_text, "master.key"))
+    metadata = {"type": "rsa-2048", "created_at": "2026-01-01T00:00:00Z"}
+    blob = seal(master, "unloadable", metadata, ((1, "2026-01-01T00:00:00Z", b"not a key"),))
+    keyring = server.directory / "dev" / "keyring.json"
+    before = keyring.read_bytes()
+    refused = restore(server, "unloadable", b64(blob))
+    assert_error(refused, 400, "invalid_request")
+    assert "does not load as rsa-2048" in refused.json()["error"]["message"]
+    assert keyring.read_bytes() == before
+    assert server.request("GET", "/v1/keys/unloadable").status_code == 404
+    for _ in range(4):  # on whichever worker answers
+        assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200

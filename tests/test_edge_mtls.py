@@ -18,6 +18,10 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from service.auth.signature import sign_request
 from service.edge.devcerts import Issued, issue, make_ca
@@ -249,6 +253,53 @@ def test_certificate_only_client_with_curl(mtls_server: Server, pki: Pki) -> Non
         check=False,
     )
     assert done.stdout == "401"
+
+
+def test_a_uri_san_is_not_the_dns_name_of_the_same_spelling(mtls_server: Server, pki: Pki) -> None:
+    """A client listed by the DNS name certonly.example is not authenticated by a certificate
+    whose URI SAN reads certonly.example: identities match with their type."""
+    clients = mtls_server.directory / "dev" / "clients.json"
+    args = ["--allow", "aes256-gcm:encrypt", "--certificate", "certonly.example"]
+    done = cryptd("clients", "add", "certonly", *args, "--certificate-only", "--file", str(clients))
+    assert done.returncode == 0, done.stderr
+    time.sleep(1.5)  # the clients file is re-read within a second
+
+    def unsigned_post(name: str, san: x509.GeneralName) -> int:
+        leaf_key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(pki.ca.cert.subject)
+            .public_key(leaf_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([san]), critical=False)
+            .sign(pki.ca.key, hashes.SHA256())
+        )
+        cert_path, key_path = pki.root / f"{name}.crt", pki.root / f"{name}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(
+            leaf_key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        response = httpx.post(
+            mtls_server.url + "/v1/encrypt/aes256-gcm",
+            content=BODY,
+            headers={"Content-Type": "application/json"},
+            verify=context_with(pki, cert_path, key_path),
+            timeout=30,
+        )
+        return response.status_code
+
+    assert unsigned_post("uri-spelled", x509.UniformResourceIdentifier("certonly.example")) == 401
+    assert unsigned_post("dns-named", x509.DNSName("certonly.example")) == 200
 
 
 def test_certificate_only_client_cannot_sign(mtls_server: Server, pki: Pki) -> None:

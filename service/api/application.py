@@ -32,6 +32,7 @@ from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth.authenticator import Authenticator
 from service.auth.replay_host import sibling_directory
 from service.auth.setup import build_auth
+from service.batchcost import BatchLimits
 from service.config import Settings
 from service.crypto.registry import KEY_TYPES
 from service.edge.protocol import REJECTION_HOOK
@@ -185,6 +186,9 @@ def create_app(
         on_overload=functools.partial(metrics.rejected, "overload"),
         watcher=watcher,
         usage=usage,
+        batch_limits=BatchLimits(
+            settings.max_batch_items, settings.pool_deadline, settings.max_batch_items_by_type
+        ),
     )
     auth = build_auth(settings)
     loop_lag = LoopLag(settings.max_loop_lag)

@@ -44,7 +44,8 @@ ERROR_CODES: Mapping[str, str] = {
     "key_disabled": "the key's state refuses the operation (the message names both): "
     "decrypt_only refuses encrypt, sign, hmac, datakey and rewrap to it; disabled refuses "
     "every operation; pending_deletion every operation and key change but cancel-deletion",
-    "payload_too_large": "body over the body limit, or a batch over the item limit",
+    "payload_too_large": "body over the body limit, or a batch over the item limit or over "
+    "its key type's limit (what can finish within the deadline; the message names it)",
     "unsupported_media_type": "an authenticated request whose body is not sent as "
     "application/json (parameters allowed; a charset other than UTF-8 is not)",
     "headers_too_large": "request line and header fields over the header limit (the "

@@ -5,6 +5,9 @@ is within its validity period, and the client proved it holds the key). What ide
 client is what its certificate's subject alternative names say: DNS names and URIs (a SPIFFE ID
 such as ``spiffe://example.org/ns/billing/sa/api`` is a URI). The subject's common name is not
 an identity here (RFC 6125 and every modern verifier ignore it where SANs exist).
+
+An identity carries its type, ``DNS:<name>`` or ``URI:<uri>`` (OpenSSL's SAN spelling), so a
+URI SAN that reads like a host name never stands for the DNS name of the same spelling.
 """
 
 from __future__ import annotations
@@ -16,19 +19,22 @@ from cryptography import x509
 
 Identities = frozenset[str]
 NO_IDENTITIES: Identities = frozenset()
+DNS_PREFIX = "DNS:"
+URI_PREFIX = "URI:"
 
 
 @functools.lru_cache(maxsize=4096)
 def identities_of(pem: str) -> Identities:
-    """The SAN DNS names and URIs of a PEM certificate (parsed once per distinct certificate:
-    every request on a kept-alive connection hands the same string)."""
+    """The SAN DNS names and URIs of a PEM certificate, typed (``DNS:...``, ``URI:...``);
+    parsed once per distinct certificate: every request on a kept-alive connection hands the
+    same string."""
     try:
         cert = x509.load_pem_x509_certificate(pem.encode("ascii"))
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, x509.ExtensionNotFound):
         return NO_IDENTITIES
-    found = names.get_values_for_type(x509.DNSName)
-    found += names.get_values_for_type(x509.UniformResourceIdentifier)
+    found = [DNS_PREFIX + name for name in names.get_values_for_type(x509.DNSName)]
+    found += [URI_PREFIX + uri for uri in names.get_values_for_type(x509.UniformResourceIdentifier)]
     return frozenset(found)
 
 

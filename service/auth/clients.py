@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+from service.auth.certs import DNS_PREFIX, URI_PREFIX
 from service.fileio import atomic_write, file_stamp
 
 logger = logging.getLogger("cryptd.auth")
@@ -218,16 +219,33 @@ def parse_allow_rule(client_id: str, raw: object) -> AllowRule:
 
 
 def parse_certificate_identity(client_id: str, raw: object) -> str:
-    """A certificate identity as the clients file lists it: a URI (``spiffe://...``) or a DNS
-    name, matched exactly against the certificate's subject alternative names."""
-    if not isinstance(raw, str) or not (
-        _URI_IDENTITY.fullmatch(raw) or _DNS_IDENTITY.fullmatch(raw)
-    ):
-        raise ClientsFileError(
-            f"client {client_id!r}: certificate identity {raw!r} is neither a URI "
-            "(e.g. spiffe://example.org/ns/app/sa/api) nor a DNS name"
-        )
-    return raw
+    """A certificate identity as the clients file lists it, typed as :mod:`service.auth.certs`
+    matches it: ``DNS:<name>``, ``URI:<uri>``, or untyped, where a URI with a scheme
+    (``spiffe://...``) is a URI SAN and anything else a DNS name. Matched exactly, and only
+    against SANs of that type."""
+    if isinstance(raw, str):
+        if _URI_IDENTITY.fullmatch(raw):
+            return URI_PREFIX + raw
+        if _DNS_IDENTITY.fullmatch(raw):
+            return DNS_PREFIX + raw
+        kind, _, value = raw.partition(":")
+        if kind.upper() == "URI" and _URI_IDENTITY.fullmatch(value):
+            return URI_PREFIX + value
+        if kind.upper() == "DNS" and _DNS_IDENTITY.fullmatch(value):
+            return DNS_PREFIX + value
+    raise ClientsFileError(
+        f"client {client_id!r}: certificate identity {raw!r} is neither a URI "
+        "(e.g. spiffe://example.org/ns/app/sa/api or URI:spiffe://...) nor a DNS name "
+        "(e.g. batch.example.org or DNS:batch.example.org)"
+    )
+
+
+def show_certificate_identity(identity: str) -> str:
+    """An identity as a clients file would list it: untyped where that reads back the same
+    (every DNS name, a URI with a scheme), typed otherwise."""
+    value = identity.partition(":")[2]
+    untyped = _URI_IDENTITY.fullmatch(value) or _DNS_IDENTITY.fullmatch(value)
+    return value if untyped and parse_certificate_identity("-", value) == identity else identity
 
 
 def _certificates(client_id: str, raw: Mapping[str, Any]) -> tuple[frozenset[str], bool]:

@@ -30,7 +30,7 @@ from typing import Final, Literal, NamedTuple
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives import hmac as keyed_hmac
 from http_sfv.dictionary import Dictionary
-from http_sfv.item import InnerList, Item
+from http_sfv.item import AllItemType, InnerList, Item
 
 # The signer's side (constants, serializer, signature base, digest, sign_request) is the light
 # client's, so both ends build the signature base with the same code; the verifier is here.
@@ -180,9 +180,20 @@ _DIGEST_RE = re.compile(r"sha-256=:([A-Za-z0-9+/]*={0,2}):")
 _Params = list[tuple[str, object]]
 
 
+class _UniqueKeyDictionary(Dictionary):
+    """A structured-field dictionary that refuses a repeated member name. RFC 8941 lets the
+    last one win, so ``sig1=<bogus>, sig1=<valid>`` (two field lines combined, or one line)
+    would otherwise read as a single signature: we refuse more than one instead."""
+
+    def __setitem__(self, key: str, value: AllItemType) -> None:
+        if key in self.data:
+            raise ValueError("repeated dictionary member")
+        super().__setitem__(key, value)
+
+
 def _reference_parse(signature_input: str, signature: str) -> tuple[str, _Params, bytes]:
-    inputs = _parse_dictionary(signature_input)
-    signatures = _parse_dictionary(signature)
+    inputs = _parse_dictionary(signature_input, unique=True)
+    signatures = _parse_dictionary(signature, unique=True)
     # One signature per request: a second one would be a second policy to get right.
     if len(inputs) != 1 or list(inputs) != list(signatures):
         raise AuthError("malformed")
@@ -250,10 +261,10 @@ def _b64decode(text: str) -> bytes:
         raise AuthError("malformed") from None
 
 
-def _parse_dictionary(value: str) -> Dictionary:
+def _parse_dictionary(value: str, *, unique: bool = False) -> Dictionary:
     if len(value) > MAX_FIELD_LENGTH:
         raise AuthError("malformed")
-    node = Dictionary()
+    node = _UniqueKeyDictionary() if unique else Dictionary()
     try:
         node.parse(value.encode("ascii"))
     except (ValueError, UnicodeEncodeError):

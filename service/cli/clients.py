@@ -20,6 +20,7 @@ from service.auth.clients import (
     parse_client,
     parse_clients,
     read_document,
+    show_certificate_identity,
     write_document,
 )
 
@@ -53,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="IDENTITY",
         help="mutual TLS: a client certificate identity it may present, a SAN URI "
-        "(spiffe://...) or DNS name (repeatable); its signed requests must then come over one",
+        "(spiffe://... or URI:...) or DNS name (name or DNS:name) (repeatable); its signed "
+        "requests must then come over one",
     )
     add.add_argument(
         "--certificate-only",
@@ -157,7 +159,7 @@ def _list(args: argparse.Namespace) -> int:
             "allow": [rule.to_json() for rule in client.allow],
         }
         if client.certificates:
-            entry["certificates"] = sorted(client.certificates)
+            entry["certificates"] = sorted(map(show_certificate_identity, client.certificates))
         if client.certificate_only:
             entry["authentication"] = "certificate"
         listing.append(entry)

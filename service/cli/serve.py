@@ -124,6 +124,18 @@ def _dev_keyring(store: KeyStore, master: MasterKey) -> None:
         manager.create(type_name, type_name, deletion_allowed=True)
 
 
+def _remove_keyring_leftovers(settings: Settings) -> None:
+    """The temporary copies of the keyring a killed writer left behind (mode 0600 key material
+    beside the file) go before any worker starts; the store's lock keeps a live writer's."""
+    store = open_store(settings.keystore_url_value(), settings.keyring_file)
+    try:
+        removed = store.remove_leftovers()
+    finally:
+        store.close()
+    if removed:
+        log.warning("removed %d temporary keyring file(s) left by an interrupted write", removed)
+
+
 def _prepare_metrics_dir(settings: Settings) -> None:
     """Several processes (server workers, pool workers) need prometheus-client's multiprocess
     mode: a directory, emptied of a previous run's files before any worker starts."""
@@ -278,6 +290,7 @@ def serve(args: argparse.Namespace) -> int:
     _prepare_metrics_dir(settings)
     configure_logging(settings.log_level, settings.access_log, "off")
     log.info("cryptd starting", extra=report.start)
+    _remove_keyring_leftovers(settings)
     if settings.tls == "off":
         log.warning(
             "TLS is off (CRYPTD_TLS=off): requests, plaintexts and data keys cross the network "

@@ -3,6 +3,10 @@
 Writes are atomic (temporary file in the same directory, fsync, rename, fsync of the
 directory) and serialised between processes by an advisory lock on the sibling file
 ``<name>.lock``. Replicas on one node share the file; across nodes use PostgreSQL.
+
+A writer killed between creating its temporary file and the rename leaves that file, a full
+copy of the keyring, beside it: :meth:`FileKeyStore.remove_leftovers` removes such files
+under the same lock, when no writer can be mid-write.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import os
+import re
+import stat
 from collections.abc import AsyncGenerator, Hashable, Iterator
 from pathlib import Path
 
@@ -57,6 +64,27 @@ class FileKeyStore:
 
     def announce(self, replica: str, generation: int) -> None:
         pass  # one replica per host: the board says it all
+
+    def remove_leftovers(self) -> int:
+        # Every writer holds the lock from creating its temporary file to the rename, so with
+        # the lock held here, any file of that name pattern belongs to a writer that died.
+        pattern = re.compile(rf"\.{re.escape(self.path.name)}\.[A-Za-z0-9_]+\.tmp")
+        directory = self.path.parent
+        removed = 0
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self._flock(".lock", blocking=True))
+            except StoreUnavailable:
+                return 0  # no directory, or a read-only one: no write can have happened here
+            for name in os.listdir(directory):
+                candidate = directory / name
+                if not pattern.fullmatch(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(candidate.lstat().st_mode):  # never follow a link
+                        candidate.unlink()
+                        removed += 1
+        return removed
 
     def close(self) -> None:
         pass

@@ -99,4 +99,8 @@ class KeyStore(Protocol):
         """Tell every replica listening that ``replica`` enforces ``generation`` (nothing
         where the store has no channel)."""
 
+    def remove_leftovers(self) -> int:
+        """Remove what a killed writer left behind (the file store's temporary copies of the
+        keyring), safely while other processes use the store; the number removed."""
+
     def close(self) -> None: ...

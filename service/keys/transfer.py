@@ -16,7 +16,7 @@ from service.crypto.registry import KEY_TYPES
 from service.errors import InvalidRequest, KeyNotFound
 from service.keys import backup
 from service.keys.document import KeyRecord, KeyringDocument, MalformedDocument
-from service.keys.keyring import Key, check_key_name, check_stored_name
+from service.keys.keyring import Key, check_key_name, check_stored_name, load_handle
 from service.keys.records import (
     Destroyed,
     KeyWork,
@@ -97,6 +97,7 @@ class KeyTransfer(KeyWork):
             record = KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
         except MalformedDocument as exc:
             raise InvalidRequest(f"the key record is invalid ({exc})") from None
+        _check_loads(target, record, export.versions)
 
         destroyed: Destroyed = []
 
@@ -107,3 +108,26 @@ class KeyTransfer(KeyWork):
         imported = self.snapshot.apply(change)[0][target]
         self.tell_destroyed(destroyed)
         return imported
+
+
+def _check_loads(
+    name: str, record: KeyRecord, versions: tuple[tuple[int, str, bytes], ...]
+) -> None:
+    """Load every version as the keyring will once it is stored (400 otherwise): material that
+    does not load would make the stored keyring fail verification on every worker, which is
+    not for a request to cause."""
+    key_type = KEY_TYPES[record.type]
+    for number, _, material in versions:
+        try:
+            load_handle(
+                key_type,
+                material,
+                name=name,
+                version=number,
+                derived=record.derived,
+                convergent=record.convergent,
+            )
+        except Exception:  # whatever the parser raises: the message names no material
+            raise InvalidRequest(
+                f"version {number} of the key's material does not load as {record.type}"
+            ) from None
