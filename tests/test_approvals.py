@@ -19,6 +19,7 @@ from service.auth.clients import generate_secret, write_document
 from tests.conftest import Server, start_server, stop_server
 from tests.test_api import assert_error
 from tests.test_byok import byok_wrap, wrapping_public_key
+from tests.test_keystore_support import replicas
 
 pytestmark = pytest.mark.slow
 
@@ -292,3 +293,45 @@ def test_concurrent_executions_run_once(dual: tuple[dict[str, Admin], Path]) -> 
     for thread in threads:
         thread.join()
     assert sorted(statuses) == [200] + [409] * 7
+
+
+def test_replicas_on_postgresql_share_approvals_and_spend_them_once(
+    tmp_path: Path, pg_database: str
+) -> None:
+    secrets = prepared_state(tmp_path / "replica-0")
+    with replicas(tmp_path, pg_database, env={"CRYPTD_APPROVALS": "delete"}, workers=1) as pair:
+        on = [
+            {name: Admin(server, name, secret) for name, secret in secrets.items()}
+            for server in pair
+        ]
+        made = {"type": "aes256-gcm", "deletion_allowed": True}
+        assert on[0]["dev"]("POST", "/v1/keys/dc-shared", made).status_code == 201
+        approval_id = requested(
+            on[0]["alice"]("DELETE", "/v1/keys/dc-shared"), "delete", "dc-shared"
+        )
+        # Seen and approved on the other replica, at once.
+        seen = on[1]["bob"]("GET", f"/v1/approvals/{approval_id}")
+        assert seen.status_code == 200, seen.text
+        assert seen.json()["state"] == "pending"
+        assert_error(
+            on[1]["alice"]("POST", f"/v1/approvals/{approval_id}/approve"), 403, "forbidden"
+        )
+        assert on[1]["bob"]("POST", f"/v1/approvals/{approval_id}/approve").status_code == 200
+        statuses: list[int] = []
+        lock = threading.Lock()
+        start = threading.Barrier(6)
+
+        def execute(alice: Admin) -> None:
+            start.wait()
+            status = alice("DELETE", "/v1/keys/dc-shared", approval=approval_id).status_code
+            with lock:
+                statuses.append(status)
+
+        threads = [threading.Thread(target=execute, args=(on[i % 2]["alice"],)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(statuses) == [204] + [409] * 5
+        for side in on:
+            assert side["dev"]("GET", "/v1/keys/dc-shared").status_code == 404
