@@ -13,6 +13,7 @@ for this exact request, or the request is refused and nothing runs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from starlette.responses import Response
 
 from service.api import deps
 from service.api.routes.crypto import json_response
-from service.errors import Forbidden, KeyNotFound
+from service.errors import CryptdError, Forbidden, KeyNotFound
 from service.keys import approvals
 from service.keys.approvals import Approval
 from service.keys.document import KeyringDocument
@@ -149,13 +150,22 @@ def _noted(request: Request, event: str, approval_id: str) -> None:
     deps.note(request, approval_id=approval_id)
 
 
+def held(request: Request, operation: str) -> bool:
+    """Whether ``operation`` may be held for approval on this request (named in
+    CRYPTD_APPROVALS, or an approval presented): worth reading what decides it."""
+    return operation in _policy(request).operations or approvals.HEADER in request.headers
+
+
 async def release(request: Request, approval_id: str | None) -> None:
     if approval_id is None:
         return
     client = _client(request)
-    await _in_store(
-        request, lambda document: approvals.release(document.approvals, approval_id, client)
-    )
+    # Best effort: the operation's own error is the answer; if the store cannot take this
+    # either, the approval stays spent (a new request is needed), never usable twice.
+    with contextlib.suppress(CryptdError):
+        await _in_store(
+            request, lambda document: approvals.release(document.approvals, approval_id, client)
+        )
 
 
 async def stored_state(request: Request, key: str) -> str | None:

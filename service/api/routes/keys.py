@@ -210,7 +210,7 @@ async def update_key(request: Request, key: str) -> Response:
     manager = deps.services(request).keys
     previous: list[str] = []
     enabling = None
-    if body.state == ENABLED:  # disabled -> enabled may need a second admin
+    if body.state == ENABLED and approvals.held(request, "enable"):  # disabled -> enabled
         deps.note(request, key=key, operation="update")
         _audit(request, "update")
         deps.require_admin(request)
