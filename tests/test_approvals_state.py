@@ -11,10 +11,10 @@ from service.config import Settings
 from service.errors import Conflict, Forbidden, InvalidRequest
 from service.keys import approvals
 from service.keys.approvals import Approval
-from service.keys.document import KeyringDocument, MalformedDocument
+from service.keys.document import KeyringDocument, MalformedDocument, RawDocument
 from service.keys.integrity import open_document, seal
 from service.keys.masterkey import MasterKey
-from service.keys.store import IntegrityError
+from service.keys.store import IntegrityError, KeyStore
 
 NOW = 1_800_000_000.0
 TTL = 600
@@ -141,3 +141,40 @@ def test_settings_name_the_operations() -> None:
         Settings(env="development", approvals="delete,destroy")
     with pytest.raises(ValidationError):
         Settings(env="development", approval_ttl=10)
+
+
+def write(store: KeyStore, raw: RawDocument) -> None:
+    with store.transaction() as transaction:
+        transaction.read()
+        transaction.write(raw)
+
+
+def test_a_postgresql_store_made_before_approvals_says_how_to_add_them(pg_database: str) -> None:
+    import psycopg
+
+    from service.keys.admin import initialise
+    from service.keys.pgstore import PostgresKeyStore
+    from service.keys.store import StoreUnavailable
+
+    master = MasterKey(bytes(range(32)))
+    store = PostgresKeyStore(pg_database)
+    try:
+        initialise(store, master)
+        with psycopg.connect(pg_database, autocommit=True) as conn:
+            conn.execute("DROP TABLE cryptd_approvals")
+        before = store.read()
+        assert before is not None
+        assert "approvals" not in before  # read as holding none, served as before
+        document = open_document(before, master).document
+        document.generation += 1
+        pending(document.approvals)
+        with pytest.raises(StoreUnavailable, match="cryptd keystore schema"):
+            write(store, seal(document, master)[0])
+        assert store.read() == before  # nothing written
+        store.create_schema()  # what `cryptd keystore schema` prints: the table, once
+        write(store, seal(document, master)[0])
+        stored = store.read()
+        assert stored is not None
+        assert open_document(stored, master).document.approvals == document.approvals
+    finally:
+        store.close()
