@@ -15,10 +15,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cpus import available_cpus
 from service.defaults import (
+    APPROVAL_OPERATIONS,
+    DEFAULT_APPROVAL_TTL,
     DEFAULT_BUDGET,
     DEFAULT_MAX_SKEW,
     DEFAULT_SHARE,
+    MAX_APPROVAL_TTL,
     MAX_DELETION_WAITING_PERIOD,
+    MIN_APPROVAL_TTL,
     ExecutorKind,
     default_usage_file,
 )
@@ -292,7 +296,28 @@ class Settings(SealSettings):
     # /openapi.json and /docs (unsigned): None = on in development, off in production.
     docs: bool | None = None
 
+    # Dual control (docs/AUTH.md): comma-separated operations that wait for a second admin
+    # client, and the seconds from the request to the last moment it may be carried out.
+    approvals: str = ""
+    approval_ttl: int = Field(
+        default=DEFAULT_APPROVAL_TTL, ge=MIN_APPROVAL_TTL, le=MAX_APPROVAL_TTL
+    )
+
     dev_dir: Path = Path(".cryptd-dev")
+
+    @field_validator("approvals", mode="after")
+    @classmethod
+    def _approval_names(cls, value: str) -> str:
+        names = [part.strip() for part in value.split(",") if part.strip()]
+        unknown = [name for name in names if name not in APPROVAL_OPERATIONS]
+        if unknown:
+            raise ValueError(
+                f"unknown operation {unknown[0]!r} (known: {', '.join(APPROVAL_OPERATIONS)})"
+            )
+        return ",".join(dict.fromkeys(names))
+
+    def approval_operations(self) -> frozenset[str]:
+        return frozenset(filter(None, self.approvals.split(",")))
 
     @field_validator("keystore_url", mode="after")
     @classmethod

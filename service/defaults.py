@@ -17,6 +17,20 @@ DEFAULT_MAX_SKEW: Final = 5
 # How long DELETE may wait before the material is destroyed (AWS KMS: 7 to 30 days).
 MAX_DELETION_WAITING_PERIOD = 366 * 86400
 
+# Dual control (service/keys/approvals.py): the operations CRYPTD_APPROVALS may name, and the
+# bounds of CRYPTD_APPROVAL_TTL (seconds from the request to the last moment to carry it out).
+APPROVAL_OPERATIONS: Final = (
+    "delete",
+    "backup",
+    "import",
+    "restore",
+    "enable",
+    "rotate-master-key",
+)
+DEFAULT_APPROVAL_TTL: Final = 3600
+MIN_APPROVAL_TTL: Final = 60
+MAX_APPROVAL_TTL: Final = 7 * 86400
+
 # Where work runs (service/pool/).
 ExecutorKind = Literal["inline", "sliced", "thread", "process"]
 

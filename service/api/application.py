@@ -23,6 +23,7 @@ from service.api.auditing import audit_readiness, open_audit_trail
 from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
+from service.api.routes import approvals as approvals_route
 from service.api.routes import crypto, health, keys, random, transfer
 from service.api.routes import metrics as metrics_route
 from service.api.routes import seal as seal_route
@@ -386,6 +387,10 @@ def create_app(
     errors.install(app)
     app.include_router(health.router)
     app.include_router(seal_route.router)
+    approvals_route.install(
+        app, approvals_route.ApprovalPolicy(settings.approval_operations(), settings.approval_ttl)
+    )
+    app.include_router(approvals_route.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)

@@ -123,6 +123,9 @@ def record_of(scope: Scope, status: int, code: str | None) -> RequestRecord:
             path = route_path(scope)
     outcome = state.get("audit_outcome", "ok") if status < 400 else code or f"http_{status}"
     versions = state.get("key_version")
+    detail = state.get("audit_detail")
+    if state.get("approval_id"):  # dual control: which approval this request made or spent
+        detail = {**(detail or {}), "approval_id": state["approval_id"]}
     if isinstance(versions, tuple) and len(versions) == 1:
         versions = versions[0]
     return RequestRecord(
@@ -136,7 +139,7 @@ def record_of(scope: Scope, status: int, code: str | None) -> RequestRecord:
         state.get("audit_items", 1),
         state.get("request_id"),
         state.get("to_key") if event == "rewrap" else None,
-        state.get("audit_detail"),
+        detail,
         state.get("audit_values", ()),
         method,
         path,

@@ -217,6 +217,8 @@ def _operation(route: Route, schemas: dict[str, Any], refs: dict[str, Any]) -> d
         operation["description"] = route.description
     if "{key}" in route.path:
         operation["parameters"] = [{"$ref": "#/components/parameters/key"}]
+    if "{approval_id}" in route.path:
+        operation["parameters"] = [{"$ref": "#/components/parameters/approval_id"}]
     request_schema = answer_schema = None
     if route.batch:
         request_schema, answer_schema = _batch_schemas(route, schemas)
@@ -283,7 +285,15 @@ def build_document() -> dict[str, Any]:
                         "pattern": KEY_NAME_PATTERN,
                         "not": {"enum": [".", ".."]},
                     },
-                }
+                },
+                "approval_id": {
+                    "name": "approval_id",
+                    "in": "path",
+                    "required": True,
+                    "description": "An approval's id, as the 202 gave it (anything else is 400 "
+                    "invalid_request).",
+                    "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+                },
             },
             "headers": {
                 "X-Request-ID": {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from service.api.schemas import Base64, KeyName, KeyTypeName, Token
 
@@ -250,3 +250,25 @@ __all__ = [
     "VersionUsage",
     "WrappingKeyResponse",
 ]
+
+
+class Approval(_Answer):
+    """Dual control (CRYPTD_APPROVALS): a request held for a second admin client."""
+
+    approval_id: str = Field(pattern="^[0-9a-f]{32}$", description="Send it as X-Approval-ID.")
+    operation: Literal["delete", "backup", "import", "restore", "enable", "rotate-master-key"]
+    key: KeyName | None = Field(description="The key it concerns (null: none, as a rotation).")
+    expires_at: Timestamp = Field(description="Approve and carry it out before this time.")
+    state: Literal["pending", "approved", "rejected", "used", "expired"]
+    method: str = Field(description="The request it is bound to (and its body's digest).")
+    path: str
+    requested_by: str = Field(description="The only client that may carry it out.")
+    requested_at: Timestamp
+    decided_by: str | None = Field(description="Who approved or rejected it.")
+    decided_at: Timestamp | None
+    used_at: Timestamp | None
+    details: dict[str, str] | None = None
+
+
+class DeletionAccepted(RootModel[KeyMetadata | Approval]):
+    """202 to DELETE: the key scheduled for deletion, or the request held for approval."""

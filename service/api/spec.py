@@ -84,6 +84,13 @@ BODY: tuple[str, ...] = ("schema", "unsupported_media_type")
 # Key management (admin): it writes the key store.
 MANAGE: tuple[str, ...] = (*KEYED, "conflict", "keystore_unavailable")
 
+_APPROVAL = (
+    " With the operation in CRYPTD_APPROVALS: 202 and an approval instead, nothing "
+    "done; repeated with X-Approval-ID once another admin approved it (403 forbidden: "
+    "another client; 400: another request; 409 conflict: pending, used, rejected or "
+    "expired; 404 not_found: no such approval)."
+)
+
 
 @dataclass(frozen=True)
 class Route:
@@ -173,13 +180,14 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/keys/{key}", "create_key", "Create a key (admin)", s.CreateKeyRequest,
           {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
     Route("PATCH", "/v1/keys/{key}", "update_key", "Change a key's settings (admin)",
-          s.UpdateKeyRequest, {200: r.KeyMetadata}, (*MANAGE, *BODY, "key_disabled"),
-          tag="keys"),
+          s.UpdateKeyRequest, {200: r.KeyMetadata, 202: r.Approval},
+          (*MANAGE, *BODY, "key_disabled"), tag="keys",
+          description="From disabled to enabled is the operation 'enable'." + _APPROVAL),
     Route("DELETE", "/v1/keys/{key}", "delete_key", "Delete a key (admin)", None,
-          {204: None, 202: r.KeyMetadata}, (*MANAGE, "key_disabled"), tag="keys",
+          {204: None, 202: r.DeletionAccepted}, (*MANAGE, "key_disabled"), tag="keys",
           description="204: deleted. 202: with CRYPTD_DELETION_WAITING_PERIOD above 0, "
           "scheduled: the key is pending_deletion until deletion_date, refuses every "
-          "operation meanwhile, and is destroyed after it."),
+          "operation meanwhile, and is destroyed after it." + _APPROVAL),
     Route("POST", "/v1/keys/{key}/cancel-deletion", "cancel_key_deletion",
           "Undo a scheduled deletion; the key gets back the state it had (admin)", None,
           {200: r.KeyMetadata}, MANAGE, tag="keys"),
@@ -190,16 +198,33 @@ ROUTES: tuple[Route, ...] = (
           {200: r.WrappingKeyResponse}, MANAGE, tag="keys"),
     Route("POST", "/v1/keys/{key}/import", "import_key",
           "Create a key from wrapped material (admin)", s.ImportKeyRequest,
-          {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+          {201: r.KeyMetadata, 202: r.Approval}, (*MANAGE, *BODY), tag="keys",
+          description=_APPROVAL.strip()),
     Route("POST", "/v1/keys/{key}/import-version", "import_key_version",
           "Add a version from wrapped material (admin)", s.ImportVersionRequest,
           {200: r.KeyMetadata}, (*MANAGE, *BODY, "key_disabled"), tag="keys"),
     Route("GET", "/v1/keys/{key}/backup", "backup_key",
           "The key, every version and its metadata, in one blob (admin)", None,
-          {200: r.BackupResponse}, (*MANAGE, "key_disabled"), tag="keys"),
+          {200: r.BackupResponse, 202: r.Approval}, (*MANAGE, "key_disabled"), tag="keys",
+          description=_APPROVAL.strip()),
     Route("POST", "/v1/keys/{key}/restore", "restore_key",
           "Restore a backup into a cryptd holding the same master key (admin)",
-          s.RestoreKeyRequest, {201: r.KeyMetadata}, (*MANAGE, *BODY), tag="keys"),
+          s.RestoreKeyRequest, {201: r.KeyMetadata, 202: r.Approval}, (*MANAGE, *BODY),
+          tag="keys", description=_APPROVAL.strip()),
+    # dual control
+    Route("GET", "/v1/approvals/{approval_id}", "get_approval",
+          "An approval: the request it holds, who asked, its state (admin)", None,
+          {200: r.Approval}, (*SIGNED, "forbidden", "not_found", "keystore_unavailable"),
+          tag="approvals"),
+    Route("POST", "/v1/approvals/{approval_id}/approve", "approve",
+          "Approve another admin's held request (admin, not its requester)", None,
+          {200: r.Approval}, (*SIGNED, "forbidden", "not_found", "conflict",
+                              "keystore_unavailable"), tag="approvals"),
+    Route("POST", "/v1/approvals/{approval_id}/reject", "reject",
+          "Reject a held request, or revoke an approval not carried out yet (admin; its "
+          "requester may withdraw it)", None,
+          {200: r.Approval}, (*SIGNED, "forbidden", "not_found", "conflict",
+                              "keystore_unavailable"), tag="approvals"),
     # health (unsigned)
     Route("GET", "/healthz", "healthz", "Liveness", None, {200: r.Health}, ANY, signed=False,
           tag="health"),

@@ -24,6 +24,7 @@ import orjson
 
 from service.crypto.registry import KEY_TYPES
 from service.errors import InvalidRequest
+from service.keys.approvals import Approval
 from service.keys.keyring import (
     ENABLED,
     PENDING_DELETION,
@@ -191,6 +192,9 @@ class KeyringDocument:
     generation: int = 0
     keys: dict[str, KeyRecord] = field(default_factory=dict)
     format: str = FORMAT
+    # Dual control (service/keys/approvals.py): written only when there are some, so a
+    # keyring that never used them stays readable by a cryptd from before them.
+    approvals: dict[str, Approval] = field(default_factory=dict)
 
     def copy(self) -> KeyringDocument:
         return copy.deepcopy(self)
@@ -200,13 +204,16 @@ class KeyringDocument:
         keys = {name: self.keys[name].to_json() for name in sorted(self.keys)}
         if self.format == FORMAT_V1:
             return {"format": FORMAT_V1, "master_key_id": self.master_key_id, "keys": keys}
-        return {
+        rendered: RawDocument = {
             "format": FORMAT,
             "deployment_id": self.deployment_id,
             "generation": self.generation,
             "master_key_id": self.master_key_id,
             "keys": keys,
         }
+        if self.approvals:
+            rendered["approvals"] = {a: self.approvals[a].to_json() for a in sorted(self.approvals)}
+        return rendered
 
     @classmethod
     def parse(cls, raw: RawDocument) -> KeyringDocument:
@@ -218,7 +225,7 @@ class KeyringDocument:
             raise MalformedDocument(f"unsupported keyring format {str(fmt)[:40]!r}")
         expected = {"format", "master_key_id", "keys", "mac"}
         if fmt == FORMAT:
-            expected |= {"deployment_id", "generation"}
+            expected |= {"deployment_id", "generation", "approvals"}
         if set(raw) - expected:
             raise MalformedDocument(f"unknown field {sorted(set(raw) - expected)[0]!r}")
         master_key_id = raw.get("master_key_id")
@@ -244,7 +251,18 @@ class KeyringDocument:
             except Exception:
                 raise MalformedDocument("a key has an invalid name") from None
             keys[name] = KeyRecord.from_json(record, f"key {name!r}")
-        return cls(master_key_id, deployment_id, generation, keys, fmt)
+        approvals_raw = raw.get("approvals", {})
+        if not isinstance(approvals_raw, dict):
+            raise MalformedDocument("approvals must be an object")
+        approvals: dict[str, Approval] = {}
+        for approval_id, record in approvals_raw.items():
+            if len(approval_id) != 32 or approval_id.strip("0123456789abcdef"):
+                raise MalformedDocument("an approval has an invalid id")
+            try:
+                approvals[approval_id] = Approval.from_json(record, "an approval")
+            except ValueError as exc:
+                raise MalformedDocument(str(exc)) from None
+        return cls(master_key_id, deployment_id, generation, keys, fmt, approvals)
 
 
 def canonical(raw: RawDocument) -> bytes:

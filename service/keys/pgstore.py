@@ -9,7 +9,10 @@ has the grants):
 - ``cryptd_keys``: one row per key, its metadata as JSON;
 - ``cryptd_key_versions``: one row per version, its metadata as JSON and its wrapped material;
 - ``cryptd_key_usage``: operation counts per key version (service/usage/postgres.py), not part
-  of the document.
+  of the document;
+- ``cryptd_approvals``: one row per dual-control approval (the document's ``approvals``,
+  service/keys/approvals.py). A store made before it lacks the table: it reads as having no
+  approvals, and recording one is refused until ``cryptd keystore schema`` adds it.
 
 Put back together, the rows are exactly the keyring file's document, so the MAC the integrity
 layer checks is the same in both stores and a file keyring moves here unchanged. A change is
@@ -100,8 +103,18 @@ SCHEMA = (
         last_used_at timestamptz NOT NULL,
         PRIMARY KEY (name, key_created, version, operation)
     )""",
+    """CREATE TABLE IF NOT EXISTS cryptd_approvals (
+        id text PRIMARY KEY,
+        record jsonb NOT NULL
+    )""",
 )
-TABLES = ("cryptd_keyring", "cryptd_keys", "cryptd_key_versions", "cryptd_key_usage")
+TABLES = (
+    "cryptd_keyring",
+    "cryptd_keys",
+    "cryptd_key_versions",
+    "cryptd_key_usage",
+    "cryptd_approvals",
+)
 HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
 
 
@@ -276,7 +289,7 @@ def _read(conn: psycopg.Connection[Any]) -> RawDocument | None:
         keys[name]["versions"].append(
             {**record, "version": version, "material": base64.b64encode(material).decode()}
         )
-    return {
+    document: RawDocument = {
         "format": fmt,
         "deployment_id": deployment_id,
         "generation": generation,
@@ -284,6 +297,41 @@ def _read(conn: psycopg.Connection[Any]) -> RawDocument | None:
         "keys": keys,
         "mac": base64.b64encode(mac).decode(),
     }
+    approvals: dict[str, Any] = {}
+    if _has_approvals_table(conn):
+        for approval_id, record in conn.execute("SELECT id, record FROM cryptd_approvals"):
+            approvals[approval_id] = record
+    if approvals:  # written only when there are some, as in the keyring file
+        document["approvals"] = approvals
+    return document
+
+
+def _has_approvals_table(conn: psycopg.Connection[Any]) -> bool:
+    found = conn.execute("SELECT to_regclass('cryptd_approvals') IS NOT NULL").fetchone()
+    return bool(found and found[0])
+
+
+def _write_approvals(
+    conn: psycopg.Connection[Any], old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    if not old and not new:
+        return
+    if not _has_approvals_table(conn):
+        raise StoreUnavailable(
+            "the key store has no cryptd_approvals table (made before dual control): run "
+            "`cryptd keystore schema --grant-to ROLE | psql` as its owner once"
+        )
+    gone = [approval_id for approval_id in old if approval_id not in new]
+    if gone:
+        conn.execute("DELETE FROM cryptd_approvals WHERE id = ANY(%s)", (gone,))
+    changed = [(a, Jsonb(record)) for a, record in new.items() if old.get(a) != record]
+    if changed:
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO cryptd_approvals (id, record) VALUES (%s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET record = EXCLUDED.record",
+                changed,
+            )
 
 
 class _PgTransaction:
@@ -363,4 +411,7 @@ class _PgTransaction:
                     "record = EXCLUDED.record, material = EXCLUDED.material",
                     version_rows,
                 )
+        _write_approvals(
+            conn, {} if old is None else old.get("approvals", {}), document.get("approvals", {})
+        )
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(document["generation"])))

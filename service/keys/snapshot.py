@@ -222,7 +222,10 @@ class Snapshot:
                     check_succession(self._keyring, current, self._expected_deployment)
                     document = next_document(current)
                     result = change(document)
-                    if document.keys == current.document.keys:
+                    if (
+                        document.keys == current.document.keys
+                        and document.approvals == current.document.approvals
+                    ):
                         # Nothing to change (a key already there, a rotation already done
                         # elsewhere): no write, no new generation; serve what is stored.
                         keyring = build_keyring(

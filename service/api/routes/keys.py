@@ -12,9 +12,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from service.api import deps
+from service.api.routes import approvals
 from service.api.routes.crypto import json_response
 from service.api.schemas import CreateKeyRequest, ImportKeyRequest, parse_model, parse_update
-from service.keys.keyring import RESERVED_NAMES, Key, check_key_name, check_new_key_name
+from service.errors import CryptdError
+from service.keys.keyring import (
+    DISABLED,
+    ENABLED,
+    RESERVED_NAMES,
+    Key,
+    check_key_name,
+    check_new_key_name,
+)
 from service.keys.manager import KeyManager
 from service.keys.propagation import HEADER
 from service.usage.recorder import as_json as usage_json
@@ -50,6 +59,10 @@ def _audit(
     deps.note(request, **fields)
 
 
+# Dual-control operations on a key that must exist (import and restore make one).
+_EXISTING = frozenset({"delete", "backup", "enable"})
+
+
 class Managed(NamedTuple):
     """A key-management action's result, and the headers its answer carries."""
 
@@ -70,11 +83,13 @@ async def manage(
     outcome: Callable[[Key | None], tuple[str, Mapping[str, Any] | None]] | None = None,
     *,
     changes: bool = True,
+    approval: str | None = None,
 ) -> Managed:
     """Run a key-management change off the event loop (RSA-4096 generation takes seconds;
     the file write fsyncs), naming it in the request's audit record (written whatever the
     outcome, by the pipeline). ``outcome(result)`` gives the record's outcome and detail
-    (default: ok, none).
+    (default: ok, none). ``approval``: the dual-control operation this request is (None:
+    none), so CRYPTD_APPROVALS can hold it for a second admin (service/api/routes/approvals.py).
 
     A change (``changes``) is in force on every worker of this host once it returns (the
     board); the answer then waits, at most CRYPTD_PROPAGATION_TIMEOUT, for the other
@@ -84,7 +99,12 @@ async def manage(
     _audit(request, event)
     services = deps.services(request)
     deps.require_admin(request)
-    result = await run_in_threadpool(change)
+    spent = await approvals.gate(request, approval, key, key_exists=approval in _EXISTING)
+    try:
+        result = await run_in_threadpool(change)
+    except CryptdError:  # refused, nothing changed: the approval may be carried out again
+        await approvals.release(request, spent)
+        raise
     status, detail = ("ok", None) if outcome is None else outcome(result)
     _audit(request, event, status, None if result is None else result.latest_version, detail)
     if not changes:
@@ -141,6 +161,7 @@ async def new_key(
     key: str,
     model: type[Body],
     make: Callable[[KeyManager, Body], Key],
+    approval: str | None = None,
 ) -> Response:
     """A key-management route that adds a key named ``key``: 201 and its metadata.
     ``make(manager, body)`` adds it, off the event loop, once the name is known to be free."""
@@ -152,7 +173,7 @@ async def new_key(
         check_new_key_name(key)
         return make(manager, body)
 
-    created = await manage(request, event, key, change)
+    created = await manage(request, event, key, change, approval=approval)
     return json_response(created.found.metadata(), status=201, headers=created.headers)
 
 
@@ -188,6 +209,13 @@ async def update_key(request: Request, key: str) -> Response:
     body = parse_update(await request.body())
     manager = deps.services(request).keys
     previous: list[str] = []
+    enabling = None
+    if body.state == ENABLED and approvals.held(request, "enable"):  # disabled -> enabled
+        deps.note(request, key=key, operation="update")
+        _audit(request, "update")
+        deps.require_admin(request)
+        if await approvals.stored_state(request, key) == DISABLED:
+            enabling = "enable"
 
     def change() -> Key:
         updated, before = manager.update_with_previous(
@@ -201,7 +229,7 @@ async def update_key(request: Request, key: str) -> Response:
         previous.append(before)
         return updated
 
-    managed = await manage(request, "update", key, change)
+    managed = await manage(request, "update", key, change, approval=enabling)
     updated = managed.found
     if previous and previous[0] != updated.state:
         _audit(  # the request's one record names the state change
@@ -226,7 +254,9 @@ async def delete_key(request: Request, key: str) -> Response:
     ``deletion_date``) when CRYPTD_DELETION_WAITING_PERIOD schedules it."""
     _not_reserved(key)
     manager = deps.services(request).keys
-    deleted = await manage(request, "delete", key, lambda: manager.delete(key), _scheduled)
+    deleted = await manage(
+        request, "delete", key, lambda: manager.delete(key), _scheduled, approval="delete"
+    )
     if deleted.key is None:
         return Response(status_code=204, headers=deleted.headers)
     return json_response(deleted.key.metadata(), status=202, headers=deleted.headers)

@@ -93,7 +93,7 @@ async def import_key(request: Request, key: str) -> Response:
         material = _unwrapped(manager, body.type, body.ciphertext, body.hash_function)
         return create(manager, key, body, material)
 
-    return await new_key(request, "import", key, ImportKeyRequest, make)
+    return await new_key(request, "import", key, ImportKeyRequest, make, approval="import")
 
 
 @router.post(
@@ -131,7 +131,7 @@ async def backup_key(request: Request, key: str) -> Response:
         blob.append(manager.backup(key))
         return manager.keyring.key(key)
 
-    await manage(request, "backup", key, change, changes=False)
+    await manage(request, "backup", key, change, changes=False, approval="backup")
     return json_response({"backup": b64.encode(blob[0])})
 
 
@@ -147,4 +147,5 @@ async def restore_key(request: Request, key: str) -> Response:
         key,
         RestoreKeyRequest,
         lambda manager, body: manager.restore(key, decode_b64(body.backup, "backup")),
+        approval="restore",
     )
