@@ -49,6 +49,7 @@ from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
 from service.seal import Seal, open_seal
+from service.seal.rotation import files_for, settle_store
 from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
@@ -66,6 +67,7 @@ def _executors(
     worker_observer: Observer | None = (
         metrics.observe_crypto if metrics.multiprocess_dir is not None else None
     )
+    key_files = files_for(settings)
     by_kind: dict[str, Executor] = {}
     for kind in sorted({settings.executor_kind(name) for name in KEY_TYPES}):
         process = kind == "process"
@@ -82,6 +84,7 @@ def _executors(
                     settings.key_activation_delay,
                     worker_observer,
                     settings.keystore_url_value(),
+                    None if key_files is None else str(key_files.path),
                 )
                 if process
                 else ()
@@ -133,8 +136,10 @@ def create_app(
     master_key = seal.unseal()
     if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
         log.warning(STATIC_SEAL_WARNING)
+    store = open_store(settings.keystore_url_value(), settings.keyring_file)
+    settle_store(settings, store)  # a master-key rotation a SIGKILL interrupted
     manager = KeyManager(
-        open_store(settings.keystore_url_value(), settings.keyring_file),
+        store,
         MasterKey(master_key),
         read_only=settings.keyring_read_only,
         activation_delay=settings.key_activation_delay,
@@ -146,6 +151,7 @@ def create_app(
             "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
         ),
         board=Board.in_directory(settings.runtime_dir),
+        lookup=files_for(settings),
     )
     manager.load()
     if to_file:

@@ -19,6 +19,7 @@ from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeystoreError
 from service.seal import SealError, open_seal, unseal_once
+from service.seal.rotation import files_for
 from service.stores import open_store
 
 T = TypeVar("T")
@@ -139,7 +140,10 @@ def _key_store(settings: Settings, master_key: bytes | None, report: Report) -> 
     try:
         if master_key is not None:
             manager = KeyManager(
-                store, MasterKey(master_key), expected_deployment=settings.keystore_id
+                store,
+                MasterKey(master_key),
+                expected_deployment=settings.keystore_id,
+                lookup=files_for(settings),  # a rotation a SIGKILL interrupted opens too
             )
             manager.load()
         return store.description

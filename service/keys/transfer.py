@@ -76,7 +76,9 @@ class KeyTransfer(KeyWork):
         """Restore a backup of ``name`` made by any cryptd holding this master key (400 for a
         blob that is not one, or of another key; 409 if the name is taken)."""
         check_key_name(name)
-        stored, metadata, versions = backup.open_(self.master, blob)
+        key_id = backup.key_id_of(blob)
+        master = self.snapshot.backup_key(key_id) if key_id is not None else None
+        stored, metadata, versions = backup.open_(master or self.master, blob)
         if stored != name:
             raise InvalidRequest(f"the backup holds key {stored!r}, not {name!r}")
         return self.import_key(KeyExport(stored, metadata, versions))

@@ -1,0 +1,247 @@
+"""Master-key rotation for the static seal: a new master key in ``CRYPTD_MASTER_KEY_FILE``,
+every key version rewrapped under it, online.
+
+The order of writes makes a SIGKILL at any moment harmless:
+
+1. the new key is written (atomically, mode 0600) beside the current one as ``<file>.next``;
+2. the key store is rewritten in one transaction (one atomic file replace, or one PostgreSQL
+   transaction) under the new key and tagged with its id (``master_key_id``);
+3. the current key is appended to ``<file>.retired`` (backups made under it still restore),
+   then ``<file>.next`` is renamed over ``<file>``.
+
+Before step 2 commits the store is under the old key; after, under the new one, which is in
+``<file>.next`` or ``<file>``: every process finds it there by the id the store names
+(:class:`StaticKeyFiles` is their :class:`~service.keys.masterkey.MasterKeySource`). A start
+or a later rotation (:func:`settle`) finishes step 3 when the store names the staged key and
+removes a staged key the store never used. Both hold the store's ``master-key-rotation``
+lock, so one rotation runs at a time across every replica.
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.config import SealSettings, decode_master_key
+from service.errors import Conflict
+from service.fileio import atomic_write
+from service.keys.masterkey import MasterKey
+from service.keys.snapshot import Snapshot
+from service.keys.store import KeyStore
+from service.seal.base import SealError
+
+LOCK = "master-key-rotation"
+
+
+def staged_path(path: Path) -> Path:
+    return path.with_name(path.name + ".next")
+
+
+def retired_path(path: Path) -> Path:
+    return path.with_name(path.name + ".retired")
+
+
+def _read_key(path: Path) -> MasterKey | None:
+    try:
+        return MasterKey(decode_master_key(path.read_text(), str(path)))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # unreadable or damaged: not a key anything may be opened with
+
+
+def _read_retired(path: Path) -> list[bytes]:
+    try:
+        lines = path.read_text().split()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise SealError(f"{path} cannot be read ({exc.strerror})") from None
+    keys = []
+    for line in lines:
+        with contextlib.suppress(ValueError, binascii.Error):
+            keys.append(decode_master_key(line, str(path)))
+    return keys
+
+
+class StaticKeyFiles:
+    """The static seal's key files: current, staged (a rotation under way) and retired."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.staged = staged_path(path)
+        self.retired = retired_path(path)
+
+    def find(self, key_id: str) -> MasterKey | None:
+        # The staged file first: a promotion between the two reads moves it to the path.
+        for candidate in (self.staged, self.path):
+            key = _read_key(candidate)
+            if key is not None and key.key_id == key_id:
+                return key
+        return None
+
+    def find_retired(self, key_id: str) -> MasterKey | None:
+        for raw in _read_retired(self.retired):
+            key = MasterKey(raw)
+            if key.key_id == key_id:
+                return key
+        return None
+
+    def current(self) -> MasterKey:
+        key = _read_key(self.path)
+        if key is None:
+            raise SealError(f"CRYPTD_MASTER_KEY_FILE {self.path} is missing or not a master key")
+        return key
+
+    def stage(self, key: bytes) -> None:
+        atomic_write(self.staged, _encode(key), mode=0o600)
+
+    def promote(self) -> None:
+        """Retire the current key, then make the staged one current. Repeatable: a promotion
+        cut short is finished by running it again."""
+        current = self.path.read_text().strip()
+        raw = decode_master_key(current, str(self.path))
+        kept = _read_retired(self.retired)
+        if raw not in kept:
+            atomic_write(self.retired, b"".join(_encode(k) for k in [*kept, raw]), mode=0o600)
+        os.replace(self.staged, self.path)
+        _fsync_directory(self.path.parent)
+
+    def discard_staged(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.staged.unlink()
+            _fsync_directory(self.path.parent)
+
+
+def _encode(key: bytes) -> bytes:
+    import base64
+
+    return base64.b64encode(key) + b"\n"
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_for(settings: SealSettings) -> StaticKeyFiles | None:
+    """The key files of a static seal kept in a file; None otherwise (nothing to look up)."""
+    if settings.seal != "static" or settings.master_key is not None:
+        return None
+    if settings.master_key_file is None:
+        return None
+    return StaticKeyFiles(settings.master_key_file)
+
+
+def settle(files: StaticKeyFiles, store_key_id: str) -> str | None:
+    """Finish or undo a rotation a SIGKILL interrupted, given the master key id the store
+    names; the caller holds the rotation lock. Returns what was done (None: nothing)."""
+    staged = _read_key(files.staged)
+    if staged is None:
+        if files.staged.exists():
+            files.discard_staged()  # a damaged staged file: never used by the store
+            return "rolled back"
+        return None
+    if staged.key_id == store_key_id:
+        files.promote()
+        return "finished"
+    current = _read_key(files.path)
+    if current is not None and current.key_id == store_key_id:
+        files.discard_staged()
+        return "rolled back"
+    raise SealError(
+        f"the key store is under master key {store_key_id!r}, neither {files.path} nor "
+        f"{files.staged} holds it: restore the right master key file"
+    )
+
+
+def settle_store(settings: SealSettings, store: KeyStore) -> str | None:
+    """At a start: settle an interrupted rotation unless one is running now."""
+    files = files_for(settings)
+    if files is None or not files.staged.exists():
+        return None
+    with store.try_lock(LOCK) as held:
+        if not held:
+            return None  # a rotation is running: it finishes its own work
+        raw = store.read()
+        key_id = raw.get("master_key_id") if raw is not None else None
+        if not isinstance(key_id, str):
+            return None
+        return settle(files, key_id)
+
+
+@dataclass(frozen=True)
+class RotationReport:
+    previous_master_key_id: str
+    master_key_id: str
+    keys: int
+    versions: int
+    generation: int
+    seconds: float
+    recovered: str | None
+
+    def body(self) -> dict[str, object]:
+        return {
+            "seal": "static",
+            "previous_master_key_id": self.previous_master_key_id,
+            "master_key_id": self.master_key_id,
+            "keys": self.keys,
+            "versions": self.versions,
+            "generation": self.generation,
+            "seconds": round(self.seconds, 3),
+            **({} if self.recovered is None else {"interrupted_rotation": self.recovered}),
+        }
+
+
+def refuse_unless_file(settings: SealSettings) -> StaticKeyFiles:
+    if settings.seal != "static":
+        raise SealError(
+            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static "
+            "seal in this release (docs/DEPLOY.md, Rotating the master key)"
+        )
+    if settings.master_key is not None:
+        raise SealError(
+            "the master key is in CRYPTD_MASTER_KEY: a rotation has nowhere to keep the new "
+            "key that every worker and restart would read. Move the key to a file "
+            "(CRYPTD_MASTER_KEY_FILE, mode 0600), restart, then rotate"
+        )
+    files = files_for(settings)
+    if files is None:
+        raise SealError("CRYPTD_SEAL=static: set CRYPTD_MASTER_KEY_FILE")
+    return files
+
+
+def rotate(settings: SealSettings, snapshot: Snapshot) -> RotationReport:
+    """Rotate the master key of the store ``snapshot`` serves (see the module docstring)."""
+    files = refuse_unless_file(settings)
+    started = time.monotonic()
+    with snapshot.store.try_lock(LOCK) as held:
+        if not held:
+            raise Conflict("a master-key rotation is already running")
+        raw = snapshot.store.read()
+        stored_id = raw.get("master_key_id") if raw is not None else None
+        recovered = settle(files, stored_id) if isinstance(stored_id, str) else None
+        previous = snapshot.master.key_id if stored_id is None else str(stored_id)
+        fresh = secrets.token_bytes(32)
+        new = MasterKey(fresh)
+        files.stage(fresh)
+        keyring = snapshot.rotate_master(new)
+        files.promote()
+    versions = sum(len(k.versions) for k in (*keyring.values(), *keyring.internal.values()))
+    return RotationReport(
+        previous_master_key_id=previous,
+        master_key_id=new.key_id,
+        keys=len(keyring) + len(keyring.internal),
+        versions=versions,
+        generation=keyring.generation,
+        seconds=time.monotonic() - started,
+        recovered=recovered,
+    )
