@@ -24,6 +24,7 @@ from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
 from service.api.routes import crypto, health, keys, random, transfer
+from service.api.routes import master_key as master_key_route
 from service.api.routes import metrics as metrics_route
 from service.api.routes import seal as seal_route
 from service.api.spec import allowed_methods
@@ -373,9 +374,11 @@ def create_app(
     )
     app.state.services = services
     app.state.seal = seal
+    app.state.seal_settings = settings  # what a master-key rotation writes to
     errors.install(app)
     app.include_router(health.router)
     app.include_router(seal_route.router)
+    app.include_router(master_key_route.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)
