@@ -14,7 +14,7 @@ from service import operations
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.operations import Item, Observer, OpName, Outcome
-from service.seal.rotation import StaticKeyFiles
+from service.seal.rotation import files_from_spec
 from service.stores import open_store
 
 
@@ -33,7 +33,7 @@ def init_worker(
     activation_delay: float = 0.0,
     observer: Observer | None = None,
     keystore_url: str | None = None,
-    master_key_file: str | None = None,
+    key_files: tuple[str, ...] | None = None,
 ) -> None:
     """Pool initializer: load the keyring and cache every parsed key for this process. The
     arguments reach the process through a pipe, never argv or the environment."""
@@ -44,7 +44,7 @@ def init_worker(
         read_only=True,
         activation_delay=activation_delay,
         # A master-key rotation: the new key is found where the static seal keeps it.
-        lookup=None if master_key_file is None else StaticKeyFiles(Path(master_key_file)),
+        lookup=files_from_spec(key_files),
     )
     manager.load()
     _state = _WorkerState(manager, observer)

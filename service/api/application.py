@@ -50,12 +50,25 @@ from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
 from service.seal import Seal, open_seal
-from service.seal.rotation import files_for, settle_store
+from service.seal.rotation import (
+    KeyFiles,
+    SealedKeyFiles,
+    files_for,
+    files_spec,
+    settle_store,
+)
 from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
 
 log = logging.getLogger("cryptd")
+
+
+def _pkcs11_files(settings: Settings) -> KeyFiles | None:
+    # Only the spec travels to the pool processes; no session is opened here.
+    from service.seal.pkcs11 import Pkcs11Seal
+
+    return SealedKeyFiles(Pkcs11Seal.from_settings(settings))
 
 
 def _executors(
@@ -68,7 +81,7 @@ def _executors(
     worker_observer: Observer | None = (
         metrics.observe_crypto if metrics.multiprocess_dir is not None else None
     )
-    key_files = files_for(settings)
+    key_files = files_for(settings) if settings.seal != "pkcs11" else _pkcs11_files(settings)
     by_kind: dict[str, Executor] = {}
     for kind in sorted({settings.executor_kind(name) for name in KEY_TYPES}):
         process = kind == "process"
@@ -85,7 +98,7 @@ def _executors(
                     settings.key_activation_delay,
                     worker_observer,
                     settings.keystore_url_value(),
-                    None if key_files is None else str(key_files.path),
+                    files_spec(key_files),
                 )
                 if process
                 else ()
@@ -138,7 +151,7 @@ def create_app(
     if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
         log.warning(STATIC_SEAL_WARNING)
     store = open_store(settings.keystore_url_value(), settings.keyring_file)
-    settle_store(settings, store)  # a master-key rotation a SIGKILL interrupted
+    settle_store(settings, store, seal)  # a master-key rotation a SIGKILL interrupted
     manager = KeyManager(
         store,
         MasterKey(master_key),
@@ -152,7 +165,7 @@ def create_app(
             "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
         ),
         board=Board.in_directory(settings.runtime_dir),
-        lookup=files_for(settings),
+        lookup=files_for(settings, seal),
     )
     manager.load()
     if to_file:

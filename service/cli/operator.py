@@ -116,17 +116,20 @@ def rotate_master_key(args: argparse.Namespace) -> int:
 
     settings = SealSettings()
     files = refuse_unless_file(settings)  # before anything is opened: say why at once
+    seal = getattr(files, "seal", None)
     store = store_from_args(args)
     try:
         manager = KeyManager(store, files.current(), lookup=files)
         manager.load()
-        report = rotate(settings, manager.snapshot)
+        report = rotate(settings, manager.snapshot, seal)
     finally:
         store.close()
+        if seal is not None:
+            seal.close()
     _print(report.body())
     print(
         f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
-        f"previous key is kept in {files.retired} for backups made before (docs/DEPLOY.md)",
+        f"previous key is kept in {files.retired}* for backups made before (docs/DEPLOY.md)",
         file=sys.stderr,
     )
     return 0

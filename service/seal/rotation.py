@@ -1,5 +1,7 @@
-"""Master-key rotation for the static seal: a new master key in ``CRYPTD_MASTER_KEY_FILE``,
-every key version rewrapped under it, online.
+"""Master-key rotation: a new master key where the seal keeps it, every key version rewrapped
+under it, online. ``static``: the file ``CRYPTD_MASTER_KEY_FILE`` names; ``pkcs11``: the sealed
+master key file, the new key sealed by the same token key (:class:`SealedKeyFiles`, the same
+steps with ``<sealed file>.next`` and ``<sealed file>.retired-<key id>``).
 
 The order of writes makes a SIGKILL at any moment harmless:
 
@@ -22,10 +24,12 @@ from __future__ import annotations
 import binascii
 import contextlib
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.config import SealSettings, decode_master_key
 from service.errors import Conflict
@@ -33,7 +37,11 @@ from service.fileio import atomic_write
 from service.keys.masterkey import MasterKey
 from service.keys.snapshot import Snapshot
 from service.keys.store import KeyStore
-from service.seal.base import SealError
+from service.seal import sealedfile
+from service.seal.base import Seal, SealError
+
+if TYPE_CHECKING:
+    from service.seal.pkcs11 import Pkcs11Seal  # the binding is an optional extra
 
 LOCK = "master-key-rotation"
 
@@ -92,6 +100,14 @@ class StaticKeyFiles:
                 return key
         return None
 
+    def staged_key_id(self) -> str | None:
+        key = _read_key(self.staged)
+        return None if key is None else key.key_id
+
+    def current_key_id(self) -> str | None:
+        key = _read_key(self.path)
+        return None if key is None else key.key_id
+
     def current(self) -> MasterKey:
         key = _read_key(self.path)
         if key is None:
@@ -118,6 +134,77 @@ class StaticKeyFiles:
             _fsync_directory(self.path.parent)
 
 
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+
+
+class SealedKeyFiles:
+    """The pkcs11 seal's sealed master key files: current, staged, and one retired file per
+    old key (``<file>.retired-<key id>``), each opened by the token key."""
+
+    def __init__(self, seal: Pkcs11Seal) -> None:
+        self.seal = seal
+        self.path = seal.sealed_file
+        self.staged = staged_path(self.path)
+        self.retired = retired_path(self.path)
+
+    def _key_id(self, path: Path) -> str | None:
+        try:
+            return sealedfile.read(path).key_id
+        except SealError:
+            return None
+
+    def staged_key_id(self) -> str | None:
+        return self._key_id(self.staged)
+
+    def current_key_id(self) -> str | None:
+        return self._key_id(self.path)
+
+    def _open(self, path: Path, key_id: str) -> MasterKey | None:
+        if self._key_id(path) != key_id:
+            return None  # the public id says it is not the one: the token is not asked
+        try:
+            return MasterKey(self.seal.open_sealed(path))
+        except SealError:
+            return None
+
+    def find(self, key_id: str) -> MasterKey | None:
+        for candidate in (self.staged, self.path):  # staged first, as StaticKeyFiles
+            key = self._open(candidate, key_id)
+            if key is not None:
+                return key
+        return None
+
+    def find_retired(self, key_id: str) -> MasterKey | None:
+        if not _KEY_ID.fullmatch(key_id):  # it comes from a backup's header
+            return None
+        return self._open(self.path.with_name(f"{self.retired.name}-{key_id}"), key_id)
+
+    def current(self) -> MasterKey:
+        return MasterKey(self.seal.unseal())
+
+    def stage(self, key: bytes) -> None:
+        sealedfile.write(self.staged, self.seal.seal_master(key), replace=True)
+        self.staged.chmod(0o600)
+
+    def promote(self) -> None:
+        key_id = self.current_key_id()
+        if key_id is None:
+            raise SealError(f"{self.path} is not a sealed master key")
+        keep = self.path.with_name(f"{self.retired.name}-{key_id}")
+        if not keep.exists():
+            atomic_write(keep, self.path.read_bytes(), mode=0o600)
+        os.replace(self.staged, self.path)
+        _fsync_directory(self.path.parent)
+
+    def discard_staged(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.staged.unlink()
+            _fsync_directory(self.path.parent)
+
+
+KeyFiles = StaticKeyFiles | SealedKeyFiles
+
+
 def _encode(key: bytes) -> bytes:
     import base64
 
@@ -132,8 +219,16 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def files_for(settings: SealSettings) -> StaticKeyFiles | None:
-    """The key files of a static seal kept in a file; None otherwise (nothing to look up)."""
+def files_for(settings: SealSettings, seal: Seal | None = None) -> KeyFiles | None:
+    """Where the seal keeps master keys for a rotation: the static seal's key file, the pkcs11
+    seal's sealed file (opened by ``seal`` when given, this process's session, else by a seal
+    of its own); None where there is nothing to look up."""
+    if settings.seal == "pkcs11":
+        from service.seal.pkcs11 import Pkcs11Seal
+
+        if not isinstance(seal, Pkcs11Seal):
+            seal = Pkcs11Seal.from_settings(settings)
+        return SealedKeyFiles(seal)
     if settings.seal != "static" or settings.master_key is not None:
         return None
     if settings.master_key_file is None:
@@ -141,21 +236,45 @@ def files_for(settings: SealSettings) -> StaticKeyFiles | None:
     return StaticKeyFiles(settings.master_key_file)
 
 
-def settle(files: StaticKeyFiles, store_key_id: str) -> str | None:
+def files_spec(files: KeyFiles | None) -> tuple[str, ...] | None:
+    """``files`` as plain strings, for a pool process to build its own (and, for pkcs11, log
+    in to the token itself: a session never crosses a fork)."""
+    if isinstance(files, StaticKeyFiles):
+        return ("static", str(files.path))
+    if isinstance(files, SealedKeyFiles):
+        seal = files.seal
+        return (
+            "pkcs11",
+            str(seal.module),
+            seal.token_label,
+            seal.key_label,
+            str(seal.pin_file),
+            str(seal.sealed_file),
+        )
+    return None
+
+
+def files_from_spec(spec: tuple[str, ...] | None) -> KeyFiles | None:
+    if spec is None:
+        return None
+    if spec[0] == "pkcs11":
+        from service.seal.pkcs11 import Pkcs11Seal
+
+        module, token, label, pin, sealed = spec[1:]
+        return SealedKeyFiles(Pkcs11Seal(Path(module), token, label, Path(pin), Path(sealed)))
+    return StaticKeyFiles(Path(spec[1]))
+
+
+def settle(files: KeyFiles, store_key_id: str) -> str | None:
     """Finish or undo a rotation a SIGKILL interrupted, given the master key id the store
     names; the caller holds the rotation lock. Returns what was done (None: nothing)."""
-    staged = _read_key(files.staged)
-    if staged is None:
-        if files.staged.exists():
-            files.discard_staged()  # a damaged staged file: never used by the store
-            return "rolled back"
+    if not files.staged.exists():
         return None
-    if staged.key_id == store_key_id:
+    if files.staged_key_id() == store_key_id:
         files.promote()
         return "finished"
-    current = _read_key(files.path)
-    if current is not None and current.key_id == store_key_id:
-        files.discard_staged()
+    if files.current_key_id() == store_key_id:
+        files.discard_staged()  # the store never used it (or it is damaged)
         return "rolled back"
     raise SealError(
         f"the key store is under master key {store_key_id!r}, neither {files.path} nor "
@@ -163,9 +282,9 @@ def settle(files: StaticKeyFiles, store_key_id: str) -> str | None:
     )
 
 
-def settle_store(settings: SealSettings, store: KeyStore) -> str | None:
+def settle_store(settings: SealSettings, store: KeyStore, seal: Seal | None = None) -> str | None:
     """At a start: settle an interrupted rotation unless one is running now."""
-    files = files_for(settings)
+    files = files_for(settings, seal)
     if files is None or not files.staged.exists():
         return None
     with store.try_lock(LOCK) as held:
@@ -180,6 +299,7 @@ def settle_store(settings: SealSettings, store: KeyStore) -> str | None:
 
 @dataclass(frozen=True)
 class RotationReport:
+    seal: str
     previous_master_key_id: str
     master_key_id: str
     keys: int
@@ -190,7 +310,7 @@ class RotationReport:
 
     def body(self) -> dict[str, object]:
         return {
-            "seal": "static",
+            "seal": self.seal,
             "previous_master_key_id": self.previous_master_key_id,
             "master_key_id": self.master_key_id,
             "keys": self.keys,
@@ -201,11 +321,16 @@ class RotationReport:
         }
 
 
-def refuse_unless_file(settings: SealSettings) -> StaticKeyFiles:
+def refuse_unless_file(settings: SealSettings, seal: Seal | None = None) -> KeyFiles:
+    """Where the new key goes; SealError saying why a rotation cannot run here."""
+    if settings.seal == "pkcs11":
+        files = files_for(settings, seal)
+        assert files is not None
+        return files
     if settings.seal != "static":
         raise SealError(
-            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static "
-            "seal in this release (docs/DEPLOY.md, Rotating the master key)"
+            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static and "
+            "pkcs11 seals in this release (docs/DEPLOY.md, Rotating the master key)"
         )
     if settings.master_key is not None:
         raise SealError(
@@ -213,15 +338,15 @@ def refuse_unless_file(settings: SealSettings) -> StaticKeyFiles:
             "key that every worker and restart would read. Move the key to a file "
             "(CRYPTD_MASTER_KEY_FILE, mode 0600), restart, then rotate"
         )
-    files = files_for(settings)
-    if files is None:
+    static = files_for(settings)
+    if static is None:
         raise SealError("CRYPTD_SEAL=static: set CRYPTD_MASTER_KEY_FILE")
-    return files
+    return static
 
 
-def rotate(settings: SealSettings, snapshot: Snapshot) -> RotationReport:
+def rotate(settings: SealSettings, snapshot: Snapshot, seal: Seal | None = None) -> RotationReport:
     """Rotate the master key of the store ``snapshot`` serves (see the module docstring)."""
-    files = refuse_unless_file(settings)
+    files = refuse_unless_file(settings, seal)
     started = time.monotonic()
     with snapshot.store.try_lock(LOCK) as held:
         if not held:
@@ -237,6 +362,7 @@ def rotate(settings: SealSettings, snapshot: Snapshot) -> RotationReport:
         files.promote()
     versions = sum(len(k.versions) for k in (*keyring.values(), *keyring.internal.values()))
     return RotationReport(
+        seal=settings.seal,
         previous_master_key_id=previous,
         master_key_id=new.key_id,
         keys=len(keyring) + len(keyring.internal),

@@ -35,10 +35,12 @@ async def rotate_master_key(request: Request) -> Response:
     services = deps.services(request)
     settings: SealSettings = request.app.state.seal_settings
     try:
-        refuse_unless_file(settings)
+        refuse_unless_file(settings, request.app.state.seal)
     except SealError as exc:
         raise Conflict(exc.message) from None  # this deployment's seal cannot take a new key
-    report = await run_in_threadpool(rotate, settings, services.keys.snapshot)
+    report = await run_in_threadpool(
+        rotate, settings, services.keys.snapshot, request.app.state.seal
+    )
     deps.note(
         request,
         audit_outcome="ok",
