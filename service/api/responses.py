@@ -208,7 +208,7 @@ class Readiness(_Answer):
 
 
 class MasterKeyRotation(_Answer):
-    seal: Literal["static"] = Field(description="Where the new master key is kept.")
+    seal: Literal["static", "pkcs11"] = Field(description="Where the new master key is kept.")
     previous_master_key_id: str = Field(description="Public fingerprint of the retired key.")
     master_key_id: str = Field(description="Public fingerprint of the new master key.")
     keys: int = Field(description="Keys rewrapped (internal ones included).")

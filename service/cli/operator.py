@@ -177,8 +177,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "rotate-master-key",
         help="make a new master key and rewrap every key version under it, online",
         description="static seal: the new key replaces the file CRYPTD_MASTER_KEY_FILE "
-        "names (atomically; the old one is kept in <file>.retired for older backups). Every "
-        "worker of every replica moves to the new key as it sees the store change.",
+        "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
+        "the new key sealed by the same token key replaces the sealed file (the old one kept "
+        "as <file>.retired-<key id>). Every worker of every replica moves to the new key as "
+        "it sees the store change.",
     )
     p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
     p.add_argument("--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)")
