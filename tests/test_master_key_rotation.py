@@ -359,3 +359,23 @@ def test_key_file_decodes(tmp_path: Path) -> None:
     rotate(deployment.settings, manager.snapshot)
     raw = decode_master_key(deployment.files.path.read_text(), "file")
     assert MasterKey(raw).key_id == manager.master.key_id
+
+
+def test_an_import_prepared_before_a_rotation_is_wrapped_under_the_new_key(
+    tmp_path: Path,
+) -> None:
+    deployment = make(tmp_path)
+    stale = deployment.open()  # holds the old key, and is not told of the rotation
+    export = stale.export_key("sm4-gcm")
+    rotate(deployment.settings, deployment.open().snapshot)
+    imported = stale.import_key(export, name="sm4-copy")
+    assert imported.latest_version == 3
+    assert stale.master.key_id == deployment.files.current().key_id
+    fresh = deployment.open()
+    assert fresh.keyring.key("sm4-copy").latest_version == 3
+    token = _encrypt(fresh, "sm4-copy", 2)
+    [result] = operations.run_batch(
+        fresh.keyring, "decrypt", "sm4-copy", [operations.DecryptItem(token)]
+    )
+    assert not isinstance(result, CryptdError)
+    assert base64.b64decode(result["plaintext"]) == b"secret 2"

@@ -17,6 +17,7 @@ from service.errors import InvalidRequest, KeyNotFound
 from service.keys import backup
 from service.keys.document import KeyRecord, KeyringDocument, MalformedDocument
 from service.keys.keyring import Key, check_key_name, check_stored_name
+from service.keys.masterkey import MasterKey
 from service.keys.records import (
     Destroyed,
     KeyWork,
@@ -90,21 +91,28 @@ class KeyTransfer(KeyWork):
         type_name = export.metadata.get("type")
         if not isinstance(type_name, str) or type_name not in KEY_TYPES:
             raise InvalidRequest("the key's type is missing or unknown")
-        versions = [
-            wrap_version(self.master, target, type_name, number, material).to_json()
-            | {"created_at": created_at}
-            for number, created_at, material in export.versions
-        ]
-        try:
-            record = KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
-        except MalformedDocument as exc:
-            raise InvalidRequest(f"the key record is invalid ({exc})") from None
 
+        def record_under(master: MasterKey) -> KeyRecord:
+            versions = [
+                wrap_version(master, target, type_name, number, material).to_json()
+                | {"created_at": created_at}
+                for number, created_at, material in export.versions
+            ]
+            try:
+                return KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
+            except MalformedDocument as exc:
+                raise InvalidRequest(f"the key record is invalid ({exc})") from None
+
+        wrapped_with = self.master
+        record = record_under(wrapped_with)  # checked before the store's lock is taken
         destroyed: Destroyed = []
 
         def change(document: KeyringDocument) -> None:
             claim_name(document, target, destroyed)
-            document.keys[target] = record
+            # A master-key rotation may have happened meanwhile: wrap under the key the store
+            # is under now (apply adopted it before calling this).
+            master = self.master
+            document.keys[target] = record if master is wrapped_with else record_under(master)
 
         imported = self.snapshot.apply(change)[0][target]
         self.tell_destroyed(destroyed)
