@@ -183,3 +183,57 @@ def test_rotation_online_on_every_worker(tmp_path: Path) -> None:
             assert all(key not in line for key in retired)
     finally:
         stop_server(server)
+
+
+def test_rotation_reaches_every_worker_of_both_replicas(
+    tmp_path: Path, pg_database: str, redis_url: str
+) -> None:
+    """Two replicas (two workers each) on one PostgreSQL store, reading one key file (here a
+    symlink to the first replica's, as a shared volume would be)."""
+    env = {"CRYPTD_KEYSTORE_URL": pg_database, "CRYPTD_REDIS_URL": redis_url}
+    first = start_server(tmp_path / "replica-0", env, workers=2)
+    servers = [first]
+    try:
+        state = tmp_path / "replica-1" / "dev"
+        state.mkdir(parents=True, mode=0o700)
+        (state / "master.key").symlink_to(tmp_path / "replica-0" / "dev" / "master.key")
+        (state / "clients.json").write_bytes(
+            (tmp_path / "replica-0" / "dev" / "clients.json").read_bytes()
+        )
+        second = start_server(tmp_path / "replica-1", env, workers=2)
+        servers.append(second)
+        before = first.request(
+            "POST", "/v1/encrypt/aes256-gcm", {"plaintext": _b64(b"before")}
+        ).json()["ciphertext"]
+        loads = [Load(server) for server in servers]
+        for load in loads:
+            load.start()
+        try:
+            answer = second.request("POST", "/v1/sys/rotate-master-key")
+            assert answer.status_code == 200, answer.text
+        finally:
+            for load in loads:
+                load.stopping.set()
+                load.join(timeout=30)
+        for load in loads:
+            assert load.failures == []
+        key_file = tmp_path / "replica-0" / "dev" / "master.key"
+        assert (state / "master.key").is_symlink()
+        assert _key_id(key_file) == answer.json()["master_key_id"]
+        for server in servers:
+            with connections_to_every_worker(server, 2) as workers:
+                for connection in workers.values():
+                    rotated = server.request(
+                        "POST", "/v1/keys/aes256-gcm/rotate", connection=connection
+                    )
+                    assert rotated.status_code == 200, rotated.text
+                    opened = server.request(
+                        "POST",
+                        "/v1/decrypt/aes256-gcm",
+                        {"ciphertext": before},
+                        connection=connection,
+                    )
+                    assert opened.status_code == 200, opened.text
+    finally:
+        for server in servers:
+            stop_server(server)

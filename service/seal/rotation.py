@@ -81,9 +81,11 @@ class StaticKeyFiles:
     """The static seal's key files: current, staged (a rotation under way) and retired."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.staged = staged_path(path)
-        self.retired = retired_path(path)
+        # Through a symlink to a shared volume, the files beside the real one: a rename over
+        # the link itself would leave the other hosts on the old key.
+        self.path = path.resolve()
+        self.staged = staged_path(self.path)
+        self.retired = retired_path(self.path)
 
     def find(self, key_id: str) -> MasterKey | None:
         # The staged file first: a promotion between the two reads moves it to the path.
