@@ -379,3 +379,24 @@ def test_an_import_prepared_before_a_rotation_is_wrapped_under_the_new_key(
     )
     assert not isinstance(result, CryptdError)
     assert base64.b64decode(result["plaintext"]) == b"secret 2"
+
+
+def test_a_failed_rewrite_leaves_no_staged_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = make(tmp_path)
+    manager = deployment.open()
+    before = deployment.keyring.read_bytes()
+    old = deployment.files.current().key_id
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("service.keys.filestore.atomic_write", full)
+    with pytest.raises(KeystoreUnavailable, match="No space left"):
+        rotate(deployment.settings, manager.snapshot)
+    assert deployment.keyring.read_bytes() == before
+    assert not deployment.files.staged.exists()
+    assert deployment.files.current().key_id == old == manager.master.key_id
+    monkeypatch.undo()
+    check_readable(deployment.open(), deployment)

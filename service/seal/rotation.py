@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -42,6 +43,8 @@ from service.seal.base import Seal, SealError
 
 if TYPE_CHECKING:
     from service.seal.pkcs11 import Pkcs11Seal  # the binding is an optional extra
+
+log = logging.getLogger("cryptd.seal")
 
 LOCK = "master-key-rotation"
 
@@ -299,6 +302,22 @@ def settle_store(settings: SealSettings, store: KeyStore, seal: Seal | None = No
         return settle(files, key_id)
 
 
+def _settle_after_failure(files: KeyFiles, store: KeyStore) -> None:
+    """The rewrite failed: undo the staged key if the store still names the old one (or
+    promote it if the commit did land); if the store cannot be read, leave it for the next
+    start or rotation to settle."""
+    try:
+        raw = store.read()
+        key_id = raw.get("master_key_id") if raw is not None else None
+        if isinstance(key_id, str):
+            settle(files, key_id)
+    except Exception as exc:  # the original error is the one to report
+        log.warning(
+            "staged master key left for the next start to settle",
+            extra={"reason": type(exc).__name__},
+        )
+
+
 @dataclass(frozen=True)
 class RotationReport:
     seal: str
@@ -357,10 +376,16 @@ def rotate(settings: SealSettings, snapshot: Snapshot, seal: Seal | None = None)
         stored_id = raw.get("master_key_id") if raw is not None else None
         recovered = settle(files, stored_id) if isinstance(stored_id, str) else None
         previous = snapshot.master.key_id if stored_id is None else str(stored_id)
+        if snapshot.read_only:
+            raise Conflict("the keyring is read-only on this instance; rotate with the CLI")
         fresh = secrets.token_bytes(32)
         new = MasterKey(fresh)
         files.stage(fresh)
-        keyring = snapshot.rotate_master(new)
+        try:
+            keyring = snapshot.rotate_master(new)
+        except BaseException:
+            _settle_after_failure(files, snapshot.store)
+            raise
         files.promote()
     versions = sum(len(k.versions) for k in (*keyring.values(), *keyring.internal.values()))
     return RotationReport(
