@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from service.errors import Conflict, KeystoreUnavailable
 from service.keys.board import Board
-from service.keys.document import KeyringDocument
+from service.keys.document import KeyringDocument, RawDocument
 from service.keys.integrity import (
     Verified,
     build_keyring,
@@ -110,20 +110,20 @@ class Snapshot:
 
     # Reading the store --------------------------------------------------------------------
 
-    def _open(self, raw: dict[str, object] | None) -> tuple[Verified, MasterKey]:
+    def _open(self, raw: RawDocument) -> tuple[Verified, MasterKey]:
         """Verify ``raw`` under the master key it names: this process's, or (after a rotation
         elsewhere) the one ``lookup`` finds. Never changes what this process uses."""
-        claimed = raw.get("master_key_id") if isinstance(raw, dict) else None
+        claimed = raw.get("master_key_id")
         if isinstance(claimed, str) and claimed != self._master.key_id and self._lookup:
             found = self._lookup.find(claimed)
             if found is not None and found.key_id == claimed:
-                return open_document(raw, found), found  # type: ignore[arg-type]
+                return open_document(raw, found), found
             raise IntegrityError(
                 f"the keyring is written under master key {claimed[:16]!r}, which this process "
                 f"cannot find (it holds {self._master.key_id}): a master-key rotation whose new "
                 "key has not reached this host, or another deployment's keyring"
             )
-        return open_document(raw, self._master), self._master  # type: ignore[arg-type]
+        return open_document(raw, self._master), self._master
 
     def _adopt_master(self, master: MasterKey) -> None:
         if master is not self._master:
@@ -330,6 +330,7 @@ class Snapshot:
                         raise IntegrityError(f"the keyring in {self.store.description} is gone")
                     if raw.get("master_key_id") == new.key_id:
                         current = open_document(raw, new)
+                        check_succession(self._keyring, current, self._expected_deployment)
                         keyring = build_keyring(
                             current,
                             new,
