@@ -25,6 +25,7 @@ from service.keys.admin import initialise
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore
+from service.seal import SealError
 from service.seal.rotation import StaticKeyFiles, rotate, settle_store
 from service.stores import open_store
 
@@ -400,3 +401,59 @@ def test_a_failed_rewrite_leaves_no_staged_key(
     assert deployment.files.current().key_id == old == manager.master.key_id
     monkeypatch.undo()
     check_readable(deployment.open(), deployment)
+
+
+async def test_the_route_refuses_a_key_only_in_the_environment(tmp_path: Path) -> None:
+    """In process: the key in CRYPTD_MASTER_KEY (settings.master_key) gives 409 with the
+    reason, and the store is left as it was."""
+    import httpx
+    from pydantic import SecretStr
+
+    from service.api.application import create_app
+    from service.auth.clients import generate_secret, write_document
+    from service.auth.signature import sign_request
+    from service.config import Settings
+
+    deployment = make(tmp_path, keys=False)
+    secret = generate_secret()
+    write_document(
+        tmp_path / "clients.json",
+        {
+            "clients": {
+                "admin": {
+                    "secret": secret,
+                    "admin": True,
+                    "allow": [{"keys": "*", "operations": ["*"]}],
+                }
+            }
+        },
+    )
+    settings = Settings(
+        tls="off",
+        master_key=SecretStr(deployment.files.path.read_text().strip()),
+        keyring_file=deployment.keyring,
+        clients_file=tmp_path / "clients.json",
+        audit_log="off",
+        docs=False,
+    )
+    before = deployment.keyring.read_bytes()
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cryptd") as http:
+            path = "/v1/sys/rotate-master-key"
+            headers = sign_request("POST", path, "", b"", "admin", base64.b64decode(secret))
+            answer = await http.post(path, headers=headers)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "conflict"
+    assert "CRYPTD_MASTER_KEY" in answer.json()["error"]["message"]
+    assert deployment.keyring.read_bytes() == before
+    assert not deployment.files.staged.exists()
+
+
+def test_shamir_is_refused_with_the_reason(tmp_path: Path) -> None:
+    from service.seal.rotation import refuse_unless_file
+
+    settings = SealSettings(seal="shamir", keyring_file=tmp_path / "keyring.json")
+    with pytest.raises(SealError, match="static and pkcs11"):
+        refuse_unless_file(settings)
