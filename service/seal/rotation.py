@@ -21,6 +21,7 @@ lock, so one rotation runs at a time across every replica.
 
 from __future__ import annotations
 
+import base64
 import binascii
 import contextlib
 import logging
@@ -60,10 +61,8 @@ def retired_path(path: Path) -> Path:
 def _read_key(path: Path) -> MasterKey | None:
     try:
         return MasterKey(decode_master_key(path.read_text(), str(path)))
-    except FileNotFoundError:
-        return None
     except (OSError, ValueError):
-        return None  # unreadable or damaged: not a key anything may be opened with
+        return None  # absent, unreadable or damaged: not a key anything may be opened with
 
 
 def _read_retired(path: Path) -> list[bytes]:
@@ -211,8 +210,6 @@ KeyFiles = StaticKeyFiles | SealedKeyFiles
 
 
 def _encode(key: bytes) -> bytes:
-    import base64
-
     return base64.b64encode(key) + b"\n"
 
 
