@@ -14,6 +14,7 @@ from service import operations
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.operations import Item, Observer, OpName, Outcome
+from service.seal.rotation import files_from_spec
 from service.stores import open_store
 
 
@@ -32,6 +33,7 @@ def init_worker(
     activation_delay: float = 0.0,
     observer: Observer | None = None,
     keystore_url: str | None = None,
+    key_files: tuple[str, ...] | None = None,
 ) -> None:
     """Pool initializer: load the keyring and cache every parsed key for this process. The
     arguments reach the process through a pipe, never argv or the environment."""
@@ -41,6 +43,8 @@ def init_worker(
         MasterKey(master_key),
         read_only=True,
         activation_delay=activation_delay,
+        # A master-key rotation: the new key is found where the static seal keeps it.
+        lookup=files_from_spec(key_files),
     )
     manager.load()
     _state = _WorkerState(manager, observer)

@@ -335,3 +335,29 @@ def test_replicas_on_postgresql_share_approvals_and_spend_them_once(
         assert sorted(statuses) == [204] + [409] * 5
         for side in on:
             assert side["dev"]("GET", "/v1/keys/dc-shared").status_code == 404
+
+
+def test_master_key_rotation_waits_for_a_second_admin(
+    dual: tuple[dict[str, Admin], Path],
+) -> None:
+    clients, _ = dual
+    alice, bob, dev = clients["alice"], clients["bob"], clients["dev"]
+    made = {"type": "aes256-gcm"}
+    assert dev("POST", "/v1/keys/dc-rotated", made).status_code == 201
+    token = dev("POST", "/v1/encrypt/dc-rotated", {"plaintext": "aGk="}).json()["ciphertext"]
+    path = "/v1/sys/rotate-master-key"
+    first = alice("POST", path, {})
+    assert first.status_code == 202, first.text
+    body = first.json()
+    assert body["operation"] == "rotate-master-key"
+    approval_id = str(body["approval_id"])
+    approved(clients, approval_id)
+    assert_error(bob("POST", path, {}, approval_id), 403, "forbidden")
+    done = alice("POST", path, {}, approval_id)
+    assert done.status_code == 200, done.text
+    assert done.json()["master_key_id"] != done.json()["previous_master_key_id"]
+    assert_error(alice("POST", path, {}, approval_id), 409, "conflict")
+    # The key versions were rewrapped under the new master key: the old token still decrypts.
+    again = dev("POST", "/v1/decrypt/dc-rotated", {"ciphertext": token})
+    assert again.status_code == 200, again.text
+    assert again.json()["plaintext"] == "aGk="

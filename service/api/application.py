@@ -25,6 +25,7 @@ from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
 from service.api.routes import approvals as approvals_route
 from service.api.routes import crypto, health, keys, random, transfer
+from service.api.routes import master_key as master_key_route
 from service.api.routes import metrics as metrics_route
 from service.api.routes import seal as seal_route
 from service.api.spec import allowed_methods
@@ -51,11 +52,25 @@ from service.pool.lag import LoopLag
 from service.pool_tasks import init_worker
 from service.runner import CryptoRunner
 from service.seal import Seal, open_seal
+from service.seal.rotation import (
+    KeyFiles,
+    SealedKeyFiles,
+    files_for,
+    files_spec,
+    settle_store,
+)
 from service.seal.static import WARNING as STATIC_SEAL_WARNING
 from service.stores import open_store, open_usage_store
 from service.usage.recorder import UsageRecorder
 
 log = logging.getLogger("cryptd")
+
+
+def _pkcs11_files(settings: Settings) -> KeyFiles | None:
+    # Only the spec travels to the pool processes; no session is opened here.
+    from service.seal.pkcs11 import Pkcs11Seal
+
+    return SealedKeyFiles(Pkcs11Seal.from_settings(settings))
 
 
 def _executors(
@@ -68,6 +83,7 @@ def _executors(
     worker_observer: Observer | None = (
         metrics.observe_crypto if metrics.multiprocess_dir is not None else None
     )
+    key_files = files_for(settings) if settings.seal != "pkcs11" else _pkcs11_files(settings)
     by_kind: dict[str, Executor] = {}
     for kind in sorted({settings.executor_kind(name) for name in KEY_TYPES}):
         process = kind == "process"
@@ -84,6 +100,7 @@ def _executors(
                     settings.key_activation_delay,
                     worker_observer,
                     settings.keystore_url_value(),
+                    files_spec(key_files),
                 )
                 if process
                 else ()
@@ -135,8 +152,10 @@ def create_app(
     master_key = seal.unseal()
     if seal.kind == "static" and settings.env == "production" and settings.worker_index == 0:
         log.warning(STATIC_SEAL_WARNING)
+    store = open_store(settings.keystore_url_value(), settings.keyring_file)
+    settle_store(settings, store, seal)  # a master-key rotation a SIGKILL interrupted
     manager = KeyManager(
-        open_store(settings.keystore_url_value(), settings.keyring_file),
+        store,
         MasterKey(master_key),
         read_only=settings.keyring_read_only,
         activation_delay=settings.key_activation_delay,
@@ -148,6 +167,7 @@ def create_app(
             "key.destroy", client=None, key=name, outcome="ok", detail={"deletion_date": date}
         ),
         board=Board.in_directory(settings.runtime_dir),
+        lookup=files_for(settings, seal),
     )
     manager.load()
     if to_file:
@@ -384,6 +404,7 @@ def create_app(
     )
     app.state.services = services
     app.state.seal = seal
+    app.state.seal_settings = settings  # what a master-key rotation writes to
     errors.install(app)
     app.include_router(health.router)
     app.include_router(seal_route.router)
@@ -391,6 +412,7 @@ def create_app(
         app, approvals_route.ApprovalPolicy(settings.approval_operations(), settings.approval_ttl)
     )
     app.include_router(approvals_route.router)
+    app.include_router(master_key_route.router)
     app.include_router(transfer.router)  # before keys: GET /v1/keys/wrapping-key
     app.include_router(keys.router)
     app.include_router(crypto.router)

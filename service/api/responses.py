@@ -211,6 +211,20 @@ class Readiness(_Answer):
     )
 
 
+class MasterKeyRotation(_Answer):
+    seal: Literal["static", "pkcs11"] = Field(description="Where the new master key is kept.")
+    previous_master_key_id: str = Field(description="Public fingerprint of the retired key.")
+    master_key_id: str = Field(description="Public fingerprint of the new master key.")
+    keys: int = Field(description="Keys rewrapped (internal ones included).")
+    versions: int = Field(description="Key versions rewrapped.")
+    generation: int = Field(description="The keyring generation written under the new key.")
+    seconds: float = Field(description="How long the rotation took.")
+    interrupted_rotation: Literal["finished", "rolled back"] | None = Field(
+        default=None,
+        description="An earlier rotation a crash interrupted, settled first (absent: none).",
+    )
+
+
 class SealStatus(_Answer):
     sealed: bool = Field(description="True until the master key is in this server's memory.")
     threshold: int = Field(description="How many unseal shares it takes (1: the seal's own key).")

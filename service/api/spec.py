@@ -240,6 +240,13 @@ ROUTES: tuple[Route, ...] = (
           description="A refused share (malformed, altered, of another split, repeated) is 400 "
           "and leaves the progress as it was. On a server that holds its master key: the "
           "status, nothing else."),
+    Route("POST", "/v1/sys/rotate-master-key", "rotate_master_key",
+          "Rotate the master key and rewrap every key version under it (admin)", None,
+          {200: r.MasterKeyRotation},
+          (*SIGNED, "forbidden", "conflict", "keystore_unavailable", "sealed"), tag="seal",
+          description="Online: crypto keeps serving, every worker moves to the new key. "
+          "Static seal with CRYPTD_MASTER_KEY_FILE, or pkcs11 (409 otherwise, or while "
+          "another rotation runs). Body: none or {}. docs/DEPLOY.md, Rotating the master key."),
     Route("GET", "/metrics", "metrics", "Prometheus text exposition", None, {200: None}, ANY,
           signed=False, tag="health", media_type="text/plain"),
 )  # fmt: skip

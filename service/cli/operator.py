@@ -10,6 +10,9 @@ and unseal a server started sealed.
   printed once (one per line, or ``--json``); only the split's public facts are written.
 
 Then ``cryptd keystore init`` creates the key store under that master key, as before.
+
+``rotate-master-key`` makes a new master key where the seal keeps it and rewraps every key
+version under it, while the service keeps serving (service/seal/rotation.py).
 """
 
 from __future__ import annotations
@@ -106,6 +109,32 @@ def _init_static(settings: SealSettings, existing: bytes | None) -> int:
     return 0
 
 
+def rotate_master_key(args: argparse.Namespace) -> int:
+    from service.cli.keys import store_from_args
+    from service.keys.manager import KeyManager
+    from service.seal.rotation import refuse_unless_file, rotate
+
+    settings = SealSettings()
+    files = refuse_unless_file(settings)  # before anything is opened: say why at once
+    seal = getattr(files, "seal", None)
+    store = store_from_args(args)
+    try:
+        manager = KeyManager(store, files.current(), lookup=files)
+        manager.load()
+        report = rotate(settings, manager.snapshot, seal)
+    finally:
+        store.close()
+        if seal is not None:
+            seal.close()
+    _print(report.body())
+    print(
+        f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
+        f"previous key is kept in {files.retired}* for backups made before (docs/DEPLOY.md)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("operator", help="the seal that keeps the master key (CRYPTD_SEAL)")
     actions = parser.add_subparsers(dest="action", required=True)
@@ -143,6 +172,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--timeout", type=float, default=30.0, help="seconds to reach every worker (default 30)"
     )
     p.set_defaults(func=unseal)
+
+    p = actions.add_parser(
+        "rotate-master-key",
+        help="make a new master key and rewrap every key version under it, online",
+        description="static seal: the new key replaces the file CRYPTD_MASTER_KEY_FILE "
+        "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
+        "the new key sealed by the same token key replaces the sealed file (the old one kept "
+        "as <file>.retired-<key id>). Every worker of every replica moves to the new key as "
+        "it sees the store change.",
+    )
+    p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
+    p.add_argument("--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)")
+    p.set_defaults(func=rotate_master_key)
 
 
 def unseal(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeystoreError
 from service.seal import SealError, open_seal, unseal_once
+from service.seal.rotation import SealedKeyFiles, files_for
 from service.stores import open_store
 
 T = TypeVar("T")
@@ -138,10 +139,19 @@ def _key_store(settings: Settings, master_key: bytes | None, report: Report) -> 
         return location(settings.keystore_url_value() or str(settings.keyring_file))
     try:
         if master_key is not None:
-            manager = KeyManager(
-                store, MasterKey(master_key), expected_deployment=settings.keystore_id
-            )
-            manager.load()
+            files = files_for(settings)
+            try:
+                manager = KeyManager(
+                    store,
+                    MasterKey(master_key),
+                    expected_deployment=settings.keystore_id,
+                    lookup=files,  # a rotation a SIGKILL interrupted opens too
+                )
+                manager.load()
+            finally:
+                # As unseal_once: a PKCS#11 session of this check never outlives it.
+                if isinstance(files, SealedKeyFiles):
+                    files.seal.close()
         return store.description
     except (ValueError, OSError, KeystoreError) as exc:
         report.problems.append(str(exc))  # names the store and says what to do

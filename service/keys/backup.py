@@ -66,6 +66,13 @@ def seal(master: MasterKey, name: str, metadata: Mapping[str, Any], versions: Ve
     return head + master.seal_backup(payload, head)
 
 
+def key_id_of(blob: bytes) -> str | None:
+    """The master key id a backup's header names (None: not a backup of this format)."""
+    if len(blob) < HEADER_SIZE or not blob.startswith(MAGIC) or blob[len(MAGIC)] != FORMAT:
+        return None
+    return blob[len(MAGIC) + 1 : HEADER_SIZE].decode("ascii", errors="replace")
+
+
 def open_(master: MasterKey, blob: bytes) -> Content:
     """The key inside ``blob``; 400 with the reason for a blob that is not a backup, of another
     format, made under another master key, or damaged."""

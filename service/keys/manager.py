@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from service.keys.board import Board
 from service.keys.keyring import Keyring
-from service.keys.masterkey import MasterKey
+from service.keys.masterkey import MasterKey, MasterKeySource
 from service.keys.mutations import MAX_AUTO_ROTATE_PERIOD as MAX_AUTO_ROTATE_PERIOD
 from service.keys.mutations import MIN_AUTO_ROTATE_PERIOD as MIN_AUTO_ROTATE_PERIOD
 from service.keys.mutations import KeyMutations
@@ -42,16 +42,17 @@ class KeyManager:
         deletion_waiting_period: int = 0,
         on_destroy: Callable[[str, str], None] | None = None,
         board: Board | None = None,
+        lookup: MasterKeySource | None = None,
     ) -> None:
         """``deletion_waiting_period`` (seconds): 0 deletes at once; above, :meth:`delete`
         schedules the deletion that :meth:`run_due` carries out once the date has passed.
         ``on_destroy(name, deletion_date)`` is told of every key whose material this process
         destroyed (for the audit log). ``board``: the generation board this host's workers
         share (service/keys/board.py); raised with every snapshot this process verifies or
-        commits, so a change is in force on every sibling before it is answered."""
+        commits, so a change is in force on every sibling before it is answered. ``lookup``: finds
+        the master key a store rotated by another process names (service/seal/rotation.py)."""
         self.store = store
         self.board = board if board is not None else Board()
-        self._master = master
         self.snapshot = Snapshot(
             store,
             master,
@@ -60,16 +61,16 @@ class KeyManager:
             activation_delay=activation_delay,
             on_reload=on_reload,
             expected_deployment=expected_deployment,
+            lookup=lookup,
         )
         self.mutations = KeyMutations(
             self.snapshot,
-            master,
             min_auto_rotate_period=min_auto_rotate_period,
             deletion_waiting_period=deletion_waiting_period,
             on_destroy=on_destroy,
         )
-        self.transfer = KeyTransfer(self.snapshot, master, on_destroy)
-        self.schedule = KeySchedule(self.snapshot, master, on_destroy)
+        self.transfer = KeyTransfer(self.snapshot, on_destroy)
+        self.schedule = KeySchedule(self.snapshot, on_destroy)
 
         # The snapshot: what is served, read from the store.
         self.load = self.snapshot.load
@@ -96,6 +97,13 @@ class KeyManager:
         self.has_due_work = self.schedule.has_due_work
         self.rotate_due = self.schedule.rotate_due
         self.run_due = self.schedule.run_due
+
+    @property
+    def master(self) -> MasterKey:
+        """The master key the store is under (changed by a master-key rotation)."""
+        return self.snapshot.master
+
+    _master = master  # the name tests and older callers use
 
     @property
     def keyring(self) -> Keyring:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Protocol
 
 from service.crypto.aead import AesGcm
 from service.crypto.base import InvalidCiphertext
@@ -68,3 +69,16 @@ class MasterKey:
 
     def __repr__(self) -> str:
         return f"<MasterKey id={self.key_id}>"
+
+
+class MasterKeySource(Protocol):
+    """Where a process finds master keys other than the one it started with (the seal's,
+    after a rotation by another process: service/seal/rotation.py)."""
+
+    def find(self, key_id: str) -> MasterKey | None:
+        """The current or staged master key with this id (a keyring may be written under it)."""
+        ...
+
+    def find_retired(self, key_id: str) -> MasterKey | None:
+        """A master key a rotation retired: it opens backups made before, never a keyring."""
+        ...

@@ -111,8 +111,12 @@ class KeyWork:
     deletion_date)``, for the audit log)."""
 
     snapshot: Snapshot
-    master: MasterKey
     on_destroy: Callable[[str, str], None] | None = None
+
+    @property
+    def master(self) -> MasterKey:
+        """The master key the snapshot serves under (a master-key rotation changes it)."""
+        return self.snapshot.master
 
     def tell_destroyed(self, destroyed: Destroyed) -> None:
         """Tell of keys destroyed by a committed change (log and ``on_destroy``)."""

@@ -22,17 +22,18 @@ from typing import TypeVar
 
 from service.errors import Conflict, KeystoreUnavailable
 from service.keys.board import Board
-from service.keys.document import KeyringDocument
+from service.keys.document import KeyringDocument, RawDocument
 from service.keys.integrity import (
     Verified,
     build_keyring,
     check_succession,
     next_document,
     open_document,
+    rewrap,
     seal,
 )
 from service.keys.keyring import Keyring
-from service.keys.masterkey import MasterKey
+from service.keys.masterkey import MasterKey, MasterKeySource
 from service.keys.store import (
     IntegrityError,
     KeyStore,
@@ -61,8 +62,10 @@ class Snapshot:
         activation_delay: float = 0.0,
         on_reload: Callable[[bool], None] | None = None,
         expected_deployment: str | None = None,
+        lookup: MasterKeySource | None = None,
     ) -> None:
         self.store = store
+        self._lookup = lookup
         self.board = board
         self._master = master
         self._read_only = read_only
@@ -76,6 +79,20 @@ class Snapshot:
         self.document: KeyringDocument | None = None  # what the snapshot was built from
         self.last_reload_error: str | None = None  # why the store's content was refused
         self.store_unreachable: str | None = None  # why the store could not be read
+
+    @property
+    def master(self) -> MasterKey:
+        """The master key the store is written under, as far as this process knows."""
+        return self._master
+
+    def backup_key(self, key_id: str) -> MasterKey | None:
+        """The master key a backup names: this one, or one retired by a rotation (kept so
+        backups made before it still restore)."""
+        if key_id == self._master.key_id:
+            return self._master
+        if self._lookup is None:
+            return None
+        return self._lookup.find(key_id) or self._lookup.find_retired(key_id)
 
     @property
     def read_only(self) -> bool:
@@ -93,6 +110,29 @@ class Snapshot:
 
     # Reading the store --------------------------------------------------------------------
 
+    def _open(self, raw: RawDocument) -> tuple[Verified, MasterKey]:
+        """Verify ``raw`` under the master key it names: this process's, or (after a rotation
+        elsewhere) the one ``lookup`` finds. Never changes what this process uses."""
+        claimed = raw.get("master_key_id")
+        if isinstance(claimed, str) and claimed != self._master.key_id and self._lookup:
+            found = self._lookup.find(claimed)
+            if found is not None and found.key_id == claimed:
+                return open_document(raw, found), found
+            raise IntegrityError(
+                f"the keyring is written under master key {claimed[:16]!r}, which this process "
+                f"cannot find (it holds {self._master.key_id}): a master-key rotation whose new "
+                "key has not reached this host, or another deployment's keyring"
+            )
+        return open_document(raw, self._master), self._master
+
+    def _adopt_master(self, master: MasterKey) -> None:
+        if master is not self._master:
+            log.info(
+                "master key changed",
+                extra={"master_key_id": master.key_id, "pid": os.getpid()},
+            )
+            self._master = master
+
     def load(self) -> Keyring:
         """Initial load; raises KeystoreError so that startup fails loudly."""
         with self._lock:
@@ -103,9 +143,10 @@ class Snapshot:
                     f"no keyring in {self.store.description} (create one with "
                     "`cryptd keystore init`)"
                 )
-            verified = open_document(raw, self._master)
+            verified, master = self._open(raw)
             check_succession(None, verified, self._expected_deployment)
-            self._keyring = build_keyring(verified, self._master, None, self._activation_delay)
+            self._keyring = build_keyring(verified, master, None, self._activation_delay)
+            self._adopt_master(master)
             self.document = verified.document
             self._stamp = stamp
             self._verified_at = time.monotonic()
@@ -137,14 +178,18 @@ class Snapshot:
                 self.store_unreachable = None
                 if raw is None:
                     raise IntegrityError(f"the keyring in {self.store.description} is gone")
-                verified = open_document(raw, self._master)
+                verified, master = self._open(raw)
                 if self._keyring is not None and verified.digest == self._keyring.digest:
                     self._stamp = stamp
                     self._reload_outcome(None)
                     return False
                 check_succession(self._keyring, verified, self._expected_deployment)
                 keyring = build_keyring(
-                    verified, self._master, self._keyring, self._activation_delay
+                    verified,
+                    master,
+                    self._keyring,
+                    self._activation_delay,
+                    previous_master=None if master is self._master else self._master,
                 )
             except StoreUnavailable as exc:
                 if self.store_unreachable != str(exc):
@@ -161,6 +206,7 @@ class Snapshot:
             self._keyring = keyring
             self.document = verified.document
             self._stamp = stamp
+            self._adopt_master(master)
             self.board.raise_to(keyring.generation)
             self._reload_outcome(None)
             log.info(
@@ -218,8 +264,11 @@ class Snapshot:
                     raw = transaction.read()
                     if raw is None:
                         raise IntegrityError(f"the keyring in {self.store.description} is gone")
-                    current = open_document(raw, self._master)
+                    current, master = self._open(raw)
                     check_succession(self._keyring, current, self._expected_deployment)
+                    # The store is under ``master``: what ``change`` wraps must be too.
+                    previous_master = None if master is self._master else self._master
+                    self._adopt_master(master)
                     document = next_document(current)
                     result = change(document)
                     if (
@@ -229,16 +278,21 @@ class Snapshot:
                         # Nothing to change (a key already there, a rotation already done
                         # elsewhere): no write, no new generation; serve what is stored.
                         keyring = build_keyring(
-                            current, self._master, self._keyring, self._activation_delay
+                            current,
+                            master,
+                            self._keyring,
+                            self._activation_delay,
+                            previous_master=previous_master,
                         )
                         document = current.document
                     else:
                         sealed, digest = seal(document, self._master)
                         keyring = build_keyring(
                             Verified(document, digest),
-                            self._master,
+                            master,
                             self._keyring,
                             self._activation_delay,
+                            previous_master=previous_master,
                         )
                         transaction.write(sealed)
             except IntegrityError as exc:
@@ -262,6 +316,65 @@ class Snapshot:
                 extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
             )
             return keyring, result
+
+    def rotate_master(self, new: MasterKey) -> Keyring:
+        """Rewrap every version of every key under ``new`` in one store transaction (one
+        atomic file replace, or one PostgreSQL transaction), one generation up and tagged
+        with ``new``'s id; then serve under ``new``. Before the commit the store is entirely
+        under the old key, after it entirely under the new one. A store already under
+        ``new`` (a rotation finished by another process) is left as it is."""
+        if self._read_only:
+            raise Conflict("the keyring is read-only on this instance")
+        with self._lock:
+            try:
+                with self.store.transaction() as transaction:
+                    raw = transaction.read()
+                    if raw is None:
+                        raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                    if raw.get("master_key_id") == new.key_id:
+                        current = open_document(raw, new)
+                        check_succession(self._keyring, current, self._expected_deployment)
+                        keyring = build_keyring(
+                            current,
+                            new,
+                            self._keyring,
+                            self._activation_delay,
+                            previous_master=self._master,
+                        )
+                        document = current.document
+                    else:
+                        current, old = self._open(raw)
+                        check_succession(self._keyring, current, self._expected_deployment)
+                        document = next_document(current)
+                        rewrap(document, old, new)
+                        sealed, digest = seal(document, new)
+                        keyring = build_keyring(
+                            Verified(document, digest),
+                            new,
+                            self._keyring,
+                            self._activation_delay,
+                            previous_master=old,
+                        )
+                        transaction.write(sealed)
+            except IntegrityError as exc:
+                raise _refused(str(exc)) from None
+            except StoreUnavailable as exc:
+                raise _unavailable(str(exc)) from None
+            self._keyring = keyring
+            self.document = document
+            self._adopt_master(new)
+            self.board.raise_to(keyring.generation)
+            self.last_reload_error = None
+            self.store_unreachable = None
+            try:
+                self._stamp = self.store.stamp()
+            except KeystoreError:
+                self._stamp = _UNSET
+            log.info(
+                "keyring rewrapped under a new master key",
+                extra={"generation": keyring.generation, "master_key_id": new.key_id},
+            )
+            return keyring
 
 
 def _refused(reason: str) -> KeystoreUnavailable:

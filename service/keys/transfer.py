@@ -17,6 +17,7 @@ from service.errors import InvalidRequest, KeyNotFound
 from service.keys import backup
 from service.keys.document import KeyRecord, KeyringDocument, MalformedDocument
 from service.keys.keyring import Key, check_key_name, check_stored_name, load_handle
+from service.keys.masterkey import MasterKey
 from service.keys.records import (
     Destroyed,
     KeyWork,
@@ -76,7 +77,9 @@ class KeyTransfer(KeyWork):
         """Restore a backup of ``name`` made by any cryptd holding this master key (400 for a
         blob that is not one, or of another key; 409 if the name is taken)."""
         check_key_name(name)
-        stored, metadata, versions = backup.open_(self.master, blob)
+        key_id = backup.key_id_of(blob)
+        master = self.snapshot.backup_key(key_id) if key_id is not None else None
+        stored, metadata, versions = backup.open_(master or self.master, blob)
         if stored != name:
             raise InvalidRequest(f"the backup holds key {stored!r}, not {name!r}")
         return self.import_key(KeyExport(stored, metadata, versions))
@@ -88,22 +91,29 @@ class KeyTransfer(KeyWork):
         type_name = export.metadata.get("type")
         if not isinstance(type_name, str) or type_name not in KEY_TYPES:
             raise InvalidRequest("the key's type is missing or unknown")
-        versions = [
-            wrap_version(self.master, target, type_name, number, material).to_json()
-            | {"created_at": created_at}
-            for number, created_at, material in export.versions
-        ]
-        try:
-            record = KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
-        except MalformedDocument as exc:
-            raise InvalidRequest(f"the key record is invalid ({exc})") from None
-        _check_loads(target, record, export.versions)
 
+        def record_under(master: MasterKey) -> KeyRecord:
+            versions = [
+                wrap_version(master, target, type_name, number, material).to_json()
+                | {"created_at": created_at}
+                for number, created_at, material in export.versions
+            ]
+            try:
+                return KeyRecord.from_json({**export.metadata, "versions": versions}, "key")
+            except MalformedDocument as exc:
+                raise InvalidRequest(f"the key record is invalid ({exc})") from None
+
+        wrapped_with = self.master
+        record = record_under(wrapped_with)  # checked before the store's lock is taken
+        _check_loads(target, record, export.versions)
         destroyed: Destroyed = []
 
         def change(document: KeyringDocument) -> None:
             claim_name(document, target, destroyed)
-            document.keys[target] = record
+            # A master-key rotation may have happened meanwhile: wrap under the key the store
+            # is under now (apply adopted it before calling this).
+            master = self.master
+            document.keys[target] = record if master is wrapped_with else record_under(master)
 
         imported = self.snapshot.apply(change)[0][target]
         self.tell_destroyed(destroyed)

@@ -157,10 +157,15 @@ class Pkcs11Seal:
     # -- the seal ---------------------------------------------------------------------------
 
     def unseal(self) -> bytes:
-        sealed = sealedfile.read(self.sealed_file)
+        return self.open_sealed(self.sealed_file)
+
+    def open_sealed(self, path: Path) -> bytes:
+        """The master key sealed in ``path`` (the sealed file, or one a rotation staged or
+        retired beside it), opened by the token key; SealError saying why not."""
+        sealed = sealedfile.read(path)
         if sealed.seal != self.kind or sealed.key_label != self.key_label:
             raise SealError(
-                f"{self.sealed_file} was sealed by {sealed.seal} key {sealed.key_label!r}, not "
+                f"{path} was sealed by {sealed.seal} key {sealed.key_label!r}, not "
                 f"pkcs11 key {self.key_label!r}"
             )
         with self._lock:
@@ -175,12 +180,32 @@ class Pkcs11Seal:
                 )
             except PKCS11Error:
                 raise SealError(
-                    f"the wrapped master key in {self.sealed_file} does not open under token key "
+                    f"the wrapped master key in {path} does not open under token key "
                     f"{self.key_label!r}: it was made with another token key, or altered"
                 ) from None
         if len(master) != 32 or not secrets.compare_digest(MasterKey(master).key_id, sealed.key_id):
-            raise SealError(f"the wrapped master key in {self.sealed_file} is not a master key")
+            raise SealError(f"the wrapped master key in {path} is not a master key")
         return master
+
+    def seal_master(self, master: bytes) -> sealedfile.SealedKey:
+        """``master`` sealed by the existing token key (a rotation's new master key)."""
+        with self._lock:
+            key = self._token_key(self._open())
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            aad = sealedfile.associated_data(self.kind, self.key_label)
+            try:
+                ciphertext = key.encrypt(
+                    master,
+                    mechanism=Mechanism.AES_GCM,
+                    mechanism_param=pkcs11.GCMParams(nonce, aad),
+                )
+            except PKCS11Error as exc:
+                raise SealError(
+                    f"the token could not seal the master key ({_error_name(exc)})"
+                ) from None
+        return sealedfile.SealedKey(
+            self.kind, self.key_label, nonce, bytes(ciphertext), MasterKey(master).key_id
+        )
 
     def init(self, master: bytes | None = None) -> InitReport:
         """Create the token key when it is absent, then seal ``master`` (a fresh random key by
