@@ -38,6 +38,13 @@ class LineWriter:
     """
 
     def __init__(self, fd: int, *, max_pending: int = 100_000, owns_fd: bool = False) -> None:
+        if not owns_fd:
+            # A descriptor of its own (the same open file): whoever lent ``fd`` may close it
+            # while lines are still due, and the number may then name a socket or a database
+            # connection. Late lines still go out after close(); the duplicate goes with the
+            # writer itself.
+            fd = os.dup(fd)
+            weakref.finalize(self, os.close, fd)
         self._fd = fd
         self._owns_fd = owns_fd
         mode = os.fstat(fd).st_mode
