@@ -196,4 +196,4 @@ def test_check_reports_every_file_and_store_problem_and_serves_nothing(tmp_path:
     assert _cryptd(["master-key", "generate", "--out", "other.key"], {}, tmp_path).returncode == 0
     wrong_key = _cryptd(["serve", "--check"], env, tmp_path)
     assert wrong_key.returncode == 2
-    assert "cryptd: error: the keyring was written under master key" in wrong_key.stderr
+    assert "cryptd: error: the keyring is written under master key" in wrong_key.stderr

@@ -229,7 +229,7 @@ def test_a_keyring_that_fails_verification_stops_the_start_in_one_line(
         other = tmp_path / "other.key"
         other.write_text(base64.b64encode(os.urandom(32)).decode())
         env["CRYPTD_MASTER_KEY_FILE"] = str(other)
-        expected = b"cryptd: error: the keyring was written under master key"
+        expected = b"cryptd: error: the keyring is written under master key"
     before = keyring.read_bytes()
     result = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--port", str(free_port()), "--workers", "2"],

@@ -88,8 +88,15 @@ def submit_everywhere(
             worker, report.workers = int(server["worker"]), int(server["workers"])
             if worker in report.answers:
                 continue
-            headers = sign_request("POST", UNSEAL_PATH, "", body, data["client_id"], secret)
-            answer = client.post(UNSEAL_PATH, content=body, headers=headers)
+            while True:  # signed afresh for every try
+                headers = sign_request("POST", UNSEAL_PATH, "", body, data["client_id"], secret)
+                answer = client.post(UNSEAL_PATH, content=body, headers=headers)
+                # 503 with Retry-After (a fresh replay store's window, an overload): refused
+                # before the share was looked at, so sending it again counts it once.
+                wait = _retry_after(answer)
+                if wait is None or time.monotonic() + wait > deadline:
+                    break
+                time.sleep(wait)
             try:
                 parsed = answer.json()
             except ValueError:
@@ -106,3 +113,11 @@ def submit_everywhere(
         for client in opened:
             client.close()
     return report
+
+
+def _retry_after(answer: httpx.Response) -> float | None:
+    """Seconds to wait before sending again, for a 503 that says when (at most 5 s)."""
+    if answer.status_code != 503:
+        return None
+    value = answer.headers.get("retry-after", "")
+    return min(float(value), 5.0) if value.isdigit() else None
