@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import mldsa
 
 from service.crypto.base import InvalidKeyMaterial, InvalidOptions, KeyHandle, KeyType, SignOptions
-from service.crypto.pkcs8 import load_untrusted, public_pem
+from service.crypto.pkcs8 import import_seed, public_pem
 
 SEED_SIZE = 32
 MU_SIZE = 64
@@ -101,21 +101,7 @@ def _mldsa_type(level: int, type_id: int, cls: Any) -> KeyType:
         return MlDsaKey(name, from_seed(material))
 
     def import_key(data: bytes) -> bytes:
-        """A raw 32-byte seed, or PKCS#8 (PEM or DER) holding the seed."""
-        if len(data) == SEED_SIZE:
-            return bytes(data)
-        key = load_untrusted(data)
-        if not isinstance(key, cls):
-            raise InvalidKeyMaterial(f"not an {name} private key")
-        try:
-            seed: bytes = key.private_bytes_raw()
-        except (ValueError, UnsupportedAlgorithm):
-            raise InvalidKeyMaterial(
-                f"the {name} PKCS#8 key must hold its seed (the expanded form alone is refused)"
-            ) from None
-        if len(seed) != SEED_SIZE:
-            raise InvalidKeyMaterial(f"not an {name} seed")
-        return seed
+        return import_seed(data, cls, name, SEED_SIZE)
 
     return KeyType(
         name=name,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from cryptography.exceptions import InvalidTag, UnsupportedAlgorithm
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.bindings._rust import openssl as _rust_openssl
 from cryptography.hazmat.primitives import hpke
 from cryptography.hazmat.primitives.asymmetric import mlkem
@@ -38,7 +38,7 @@ from service.crypto.base import (
     KeyHandle,
     KeyType,
 )
-from service.crypto.pkcs8 import load_untrusted, public_pem
+from service.crypto.pkcs8 import import_seed, public_pem
 
 MLKEM_SEED_SIZE = 64
 XWING_SEED_SIZE = 32
@@ -155,21 +155,7 @@ def _mlkem_type(level: int, type_id: int, cls: Any) -> KeyType:
         )
 
     def import_key(data: bytes) -> bytes:
-        """A raw 64-byte seed d || z, or PKCS#8 (PEM or DER) holding the seed."""
-        if len(data) == MLKEM_SEED_SIZE:
-            return bytes(data)
-        key = load_untrusted(data)
-        if not isinstance(key, cls):
-            raise InvalidKeyMaterial(f"not an {name} private key")
-        try:
-            seed: bytes = key.private_bytes_raw()
-        except (ValueError, UnsupportedAlgorithm):
-            raise InvalidKeyMaterial(
-                f"the {name} PKCS#8 key must hold its seed (the expanded form alone is refused)"
-            ) from None
-        if len(seed) != MLKEM_SEED_SIZE:
-            raise InvalidKeyMaterial(f"not an {name} seed")
-        return seed
+        return import_seed(data, cls, name, MLKEM_SEED_SIZE)
 
     return KeyType(
         name=name,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import (
@@ -39,6 +41,25 @@ def load_untrusted(data: bytes) -> PrivateKeyTypes:
         return serialization.load_der_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm):
         raise InvalidKeyMaterial("not a supported unencrypted private key") from None
+
+
+def import_seed(data: bytes, cls: Any, name: str, size: int) -> bytes:
+    """A post-quantum private key from outside as its ``size``-byte seed: the raw seed, or
+    PKCS#8 (PEM or DER) of class ``cls`` holding it (the expanded form alone is refused)."""
+    if len(data) == size:
+        return bytes(data)
+    key = load_untrusted(data)
+    if not isinstance(key, cls):
+        raise InvalidKeyMaterial(f"not an {name} private key")
+    try:
+        seed: bytes = key.private_bytes_raw()
+    except (ValueError, UnsupportedAlgorithm):
+        raise InvalidKeyMaterial(
+            f"the {name} PKCS#8 key must hold its seed (the expanded form alone is refused)"
+        ) from None
+    if len(seed) != size:
+        raise InvalidKeyMaterial(f"not an {name} seed")
+    return seed
 
 
 def public_pem(key: PublicKeyTypes) -> str:

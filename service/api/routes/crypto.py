@@ -4,7 +4,7 @@ single item or batch, one path."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 import orjson
 from fastapi import APIRouter, Request
@@ -24,17 +24,7 @@ from service.operations import Item, OpName, Outcome, RewrapItem, error_entry, t
 
 router = APIRouter(prefix="/v1", tags=["crypto"])
 
-OPERATIONS: tuple[OpName, ...] = (
-    "encrypt",
-    "decrypt",
-    "sign",
-    "verify",
-    "rewrap",
-    "datakey",
-    "hmac",
-    "encapsulate",
-    "decapsulate",
-)
+OPERATIONS: tuple[OpName, ...] = get_args(OpName)  # every crypto operation, in its order
 BATCHABLE: tuple[OpName, ...] = OPERATIONS
 
 
