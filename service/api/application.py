@@ -1,4 +1,9 @@
-"""create_app(settings): wiring and lifespan only."""
+"""create_app(settings): wiring and lifespan only.
+
+Over 400 lines because it is the one place where every part meets (stores, seal, audit, pool,
+auth, approvals, readiness checks, background tasks); each part's logic lives in its own
+module and only its construction and start/stop order are here, so the order can be read in
+one file."""
 
 from __future__ import annotations
 

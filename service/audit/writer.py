@@ -1,5 +1,8 @@
 """The audit file: records made durable in groups before their requests are answered.
 
+One job, kept in one module (over 400 lines): the writer thread, the file it owns and the
+recovery of that file (torn tail, rotation, reopening) share state no other module may touch.
+
 One thread per process owns the file. A request hands over its record and waits (without
 blocking the event loop) until the thread has written it and the ``fdatasync`` that covers it
 returned: every record waiting when a write starts shares that write and that sync (group

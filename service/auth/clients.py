@@ -1,5 +1,8 @@
 """API clients: who may call cryptd, with which secret, on which keys and operations.
 
+One job (over 400 lines): parsing and validating the clients file, whose every field (secret,
+rights, typed certificate identities) is checked here so a bad file is refused whole at start.
+
 The clients file (``CRYPTD_CLIENTS_FILE``) is JSON::
 
     {"clients": {"billing": {

@@ -1,5 +1,9 @@
 """Redis for the replay store and the rate limiter, tuned to fail fast.
 
+One job (over 400 lines): reaching Redis in its three shapes (one server, Sentinel, Cluster)
+from one URL, with the fail-fast connection the hot path uses; splitting it would spread the
+URL's meaning over several modules.
+
 redis-py's defaults (5 s socket timeouts, 10 retries with back-off) would turn a Redis outage
 into multi-second stalls on every request. Here a dead Redis costs one refused connect or
 one 250 ms timeout, and connections are remade by themselves when Redis is back.
