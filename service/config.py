@@ -70,6 +70,10 @@ DEFAULT_EXECUTORS: dict[str, Placement] = {
     "ml-kem-768": "inline",
     "ml-kem-1024": "inline",
     "x25519-ml-kem-768": "sliced",
+    # Composites: an ML-DSA-65 signature (1.7 ms) plus a traditional one: ML-DSA's pool.
+    "ml-dsa-65-ecdsa-p256": "thread",
+    "ml-dsa-65-ed25519": "thread",
+    "ml-dsa-65-sm2": "thread",
 }
 
 

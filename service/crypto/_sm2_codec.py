@@ -78,7 +78,7 @@ def der_integer(value: int) -> bytes:
     return tlv(_INTEGER, value.to_bytes(value.bit_length() // 8 + 1, "big"))
 
 
-def _read_tlv(data: bytes, pos: int, tag: int) -> tuple[bytes, int] | None:
+def read_tlv(data: bytes, pos: int, tag: int) -> tuple[bytes, int] | None:
     """Content of the DER element of ``tag`` at ``pos`` and the position after it.
 
     Definite, minimally encoded lengths only (DER, not BER)."""
@@ -122,14 +122,14 @@ def _coordinates(x: bytes, y: bytes) -> bool:
 
 def parse_der(data: bytes) -> Sm2Ciphertext | None:
     """Strict GM/T 0009 DER; the SEQUENCE must span the whole input."""
-    outer = _read_tlv(data, 0, _SEQUENCE)
+    outer = read_tlv(data, 0, _SEQUENCE)
     if outer is None or outer[1] != len(data):
         return None
     body = outer[0]
     fields: list[bytes] = []
     pos = 0
     for tag in (_INTEGER, _INTEGER, _OCTET_STRING, _OCTET_STRING):
-        element = _read_tlv(body, pos, tag)
+        element = read_tlv(body, pos, tag)
         if element is None:
             return None
         fields.append(element[0])
@@ -195,13 +195,13 @@ def candidates(data: bytes, fmt: str) -> list[Sm2Ciphertext]:
 
 def signature_to_raw(der: bytes) -> bytes | None:
     """DER ``SEQUENCE { r, s }`` to fixed-length r || s."""
-    outer = _read_tlv(der, 0, _SEQUENCE)
+    outer = read_tlv(der, 0, _SEQUENCE)
     if outer is None or outer[1] != len(der):
         return None
-    r_element = _read_tlv(outer[0], 0, _INTEGER)
+    r_element = read_tlv(outer[0], 0, _INTEGER)
     if r_element is None:
         return None
-    s_element = _read_tlv(outer[0], r_element[1], _INTEGER)
+    s_element = read_tlv(outer[0], r_element[1], _INTEGER)
     if s_element is None or s_element[1] != len(outer[0]):
         return None
     r = _read_unsigned(r_element[0], 1 << (8 * SIZE))

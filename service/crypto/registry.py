@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from service.crypto.base import KeyType
+from service.crypto.composite import ML_DSA_65_ECDSA_P256, ML_DSA_65_ED25519, ML_DSA_65_SM2
 from service.crypto.ecdsa import ECDSA_P256, ECDSA_P384, ECDSA_P521
 from service.crypto.ed25519 import ED25519
 from service.crypto.hmac import HMAC_SHA256, HMAC_SHA512, HMAC_SM3
@@ -34,6 +35,9 @@ _ALL = (
     ML_KEM_768,
     ML_KEM_1024,
     X25519_ML_KEM_768,
+    ML_DSA_65_ECDSA_P256,
+    ML_DSA_65_ED25519,
+    ML_DSA_65_SM2,
 )
 
 KEY_TYPES: MappingProxyType[str, KeyType] = MappingProxyType({t.name: t for t in _ALL})
