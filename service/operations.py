@@ -254,10 +254,13 @@ def _check_signing_context(key: Key, options: SignOptions) -> None:
     if not key.type.signing_context:
         if options.context is not None:
             raise InvalidRequest(
-                "'context' applies to ML-DSA keys (FIPS 204 context) and to derived keys; "
+                "'context' applies to ML-DSA and composite ML-DSA keys (FIPS 204 context) and to "
+                "derived keys; "
                 f"key type {key.type.name} takes neither"
             )
-        raise InvalidRequest(f"'message_type' applies to ML-DSA keys, not {key.type.name}")
+        raise InvalidRequest(
+            f"'message_type' applies to ML-DSA and composite ML-DSA keys, not {key.type.name}"
+        )
 
 
 def sign(keyring: Keyring, key: Key, item: SignItem) -> Result:

@@ -95,12 +95,15 @@ MessageType = Annotated[
     Field(
         json_schema_extra={"enum": ["raw", "external_mu"]},
         description="ML-DSA: 'raw' (default) signs 'message'; 'external_mu' takes the 64-byte "
-        "mu of FIPS 204 section 6.2 in 'message'.",
+        "mu of FIPS 204 section 6.2 in 'message'. Composite ML-DSA keys: 'raw' only.",
     ),
 ]
 SigningContext = Annotated[
     Base64,
-    Field(description="ML-DSA: the FIPS 204 context string, 0-255 bytes (not with external_mu)."),
+    Field(
+        description="ML-DSA: the FIPS 204 context string, 0-255 bytes (not with external_mu); "
+        "composite ML-DSA keys: the composite's ctx, 0-255 bytes."
+    ),
 ]
 
 
@@ -165,8 +168,8 @@ class VerifyRequest(SignRequest):
     mac: str | None = Field(default=None, description="An HMAC tag token (from /v1/hmac).")
     context: Base64 | None = Field(
         default=None,
-        description="ML-DSA: the FIPS 204 context string (0-255 bytes); derived HMAC keys: "
-        "the derivation context.",
+        description="ML-DSA and composite ML-DSA: the signing context string (0-255 bytes); "
+        "derived HMAC keys: the derivation context.",
     )
 
 

@@ -173,7 +173,7 @@ class Composite:
     traditional: Traditional
 
     def algorithm_identifier(self) -> bytes:
-        """AlgorithmIdentifier { the composite OID } with parameters absent (draft sections 5.3 and 6)."""
+        """AlgorithmIdentifier { the composite OID }, parameters absent (draft sections 5.3, 6)."""
         assert self.oid is not None
         first, second, *rest = (int(arc) for arc in self.oid.split("."))
         body = bytes([40 * first + second])
