@@ -148,22 +148,26 @@ def test_every_kind_of_key_and_its_metadata_survive(pair: tuple[Server, Server])
 
 
 def test_post_quantum_keys_survive(pair: tuple[Server, Server]) -> None:
-    """ML-DSA and X-Wing keys restored on B: B verifies A's signature (with its context) and
-    opens A's HPKE token, and both publish the same public keys."""
+    """ML-DSA, composite and X-Wing keys restored on B: B verifies A's signatures (with their
+    context) and opens A's HPKE token, and both publish the same public keys."""
     a, b = pair
     ok(a.request("POST", "/v1/keys/bk-mldsa", {"type": "ml-dsa-65"}), 201)
     ok(a.request("POST", "/v1/keys/bk-xwing", {"type": "x25519-ml-kem-768"}), 201)
     ok(a.request("POST", "/v1/keys/bk-xwing/rotate"))
+    ok(a.request("POST", "/v1/keys/bk-composite", {"type": "ml-dsa-65-sm2"}), 201)
     signing = {"message": b64(b"m"), "context": b64(b"ctx")}
     signature = ok(a.request("POST", "/v1/sign/bk-mldsa", signing))["signature"]
+    composite = ok(a.request("POST", "/v1/sign/bk-composite", signing))["signature"]
     sealed = {"plaintext": b64(b"pq"), "aad": b64(b"a"), "key_version": 1}
     token = ok(a.request("POST", "/v1/encrypt/bk-xwing", sealed))["ciphertext"]
-    for name in ("bk-mldsa", "bk-xwing"):
+    for name in ("bk-mldsa", "bk-xwing", "bk-composite"):
         ok(restore(b, name, backup(a, name)), 201)
         assert metadata(b, name) == metadata(a, name)
         keys_a = [v.get("public_key_raw") or v["public_key_pem"] for v in versions(a, name)]
         assert keys_a == [v.get("public_key_raw") or v["public_key_pem"] for v in versions(b, name)]
     verified = b.request("POST", "/v1/verify/bk-mldsa", {**signing, "signature": signature})
+    assert ok(verified) == {"valid": True}
+    verified = b.request("POST", "/v1/verify/bk-composite", {**signing, "signature": composite})
     assert ok(verified) == {"valid": True}
     opened = ok(b.request("POST", "/v1/decrypt/bk-xwing", {"ciphertext": token, "aad": b64(b"a")}))
     assert opened["plaintext"] == b64(b"pq")
