@@ -335,3 +335,29 @@ def test_import_raw_and_sizes(type_name: str, tail: int) -> None:
         for scalar in (0, codec.N - 1):
             with pytest.raises(InvalidKeyMaterial):
                 key_type.import_key(material[:32] + scalar.to_bytes(32, "big"))
+
+
+@pytest.mark.parametrize("type_name", DRAFT_TYPES)
+def test_pkcs8_version_2_with_its_public_key(type_name: str) -> None:
+    """OneAsymmetricKey v2 may carry the composite public key [1]: taken when it is the private
+    key's, refused when it is another's; nothing may follow it."""
+    case, import_key = CASES[type_name], KEY_TYPES[type_name].import_key
+    assert import_key is not None
+    pkcs8 = b(case, "sk_pkcs8")
+    outer = codec.read_tlv(pkcs8, 0, 0x30)
+    assert outer is not None
+    body = outer[0]
+    assert body[:3] == b"\x02\x01\x00"
+
+    def v2(public: bytes, extra: bytes = b"") -> bytes:
+        return codec.tlv(
+            0x30, b"\x02\x01\x01" + body[3:] + codec.tlv(0x81, b"\x00" + public) + extra
+        )
+
+    assert import_key(v2(b(case, "pk"))) == b(case, "sk")
+    with pytest.raises(InvalidKeyMaterial, match="not the private key's"):
+        import_key(v2(flip(b(case, "pk"), 40)))
+    with pytest.raises(InvalidKeyMaterial, match="not a composite PKCS#8"):
+        import_key(v2(b(case, "pk"), b"\x05\x00"))
+    with pytest.raises(InvalidKeyMaterial, match="not a composite PKCS#8"):
+        import_key(codec.tlv(0x30, body + b"\x05\x00"))  # v1 with a stray element

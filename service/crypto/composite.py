@@ -256,9 +256,10 @@ class CompositeKey(KeyHandle):
 # --- import -----------------------------------------------------------------------------------
 
 
-def _pkcs8_private_key(data: bytes, composite: Composite) -> bytes | None:
-    """The privateKey octets of a OneAsymmetricKey (RFC 5958, DER or PEM) under the composite
-    OID, or None when ``data`` is not one (then it is read as the bare composite key)."""
+def _pkcs8_private_key(data: bytes, composite: Composite) -> tuple[bytes, bytes | None] | None:
+    """The privateKey octets and the publicKey BIT STRING content (if any) of a
+    OneAsymmetricKey (RFC 5958, DER or PEM) under the composite OID, or None when ``data`` is
+    not one (then it is read as the bare composite key)."""
     if composite.oid is None:
         return None
     text = data.strip()
@@ -284,19 +285,27 @@ def _pkcs8_private_key(data: bytes, composite: Composite) -> bytes | None:
         return None
     if der.tlv(_SEQUENCE, algorithm[0]) != composite.algorithm_identifier():
         raise InvalidKeyMaterial("a PKCS#8 key of another algorithm")
-    # Attributes [0] and a publicKey [1] may follow; the public key is derived here anyway.
-    return private[0]
+    # Then attributes [0] and, in version 1, the public key [1], nothing else.
+    attributes = der.read_tlv(body, private[1], 0xA0)
+    position = private[1] if attributes is None else attributes[1]
+    public = der.read_tlv(body, position, 0x81) if version[0] == b"\x01" else None
+    if (position if public is None else public[1]) != len(body):
+        raise InvalidKeyMaterial("not a composite PKCS#8 private key")
+    return private[0], None if public is None else public[0]
 
 
 def _import(composite: Composite, data: bytes) -> bytes:
-    inner = _pkcs8_private_key(data, composite)
-    encoded = bytes(data) if inner is None else inner
+    found = _pkcs8_private_key(data, composite)
+    encoded, public = (bytes(data), None) if found is None else found
     if len(encoded) <= SEED_SIZE:
         raise InvalidKeyMaterial(
             f"{composite.name} imports mldsaSeed (32 bytes) || the traditional private key"
         )
     material = encoded[:SEED_SIZE] + composite.traditional.canonical(encoded[SEED_SIZE:])
-    CompositeKey(composite, material)
+    handle = CompositeKey(composite, material)
+    # A publicKey that the private key does not give: a mangled or mismatched key, refused.
+    if public is not None and public != b"\x00" + bytes.fromhex(handle.public_key_raw()):
+        raise InvalidKeyMaterial("the PKCS#8 public key is not the private key's")
     return material
 
 
