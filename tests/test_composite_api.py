@@ -7,12 +7,14 @@ signatures verify."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 from typing import Any
 
 import pytest
 from dilithium_py.ml_dsa import ML_DSA_65
 
+from service.cli import main
 from tests.conftest import Server
 from tests.test_api import assert_error
 from tests.test_byok import b64, import_key, ok
@@ -149,3 +151,28 @@ def test_bad_import_is_400_and_stores_nothing(
     name = f"cmp-wrong-{type_name}"
     assert_error(import_key(server, name, type_name, material), 400, "invalid_request")
     assert_error(server.request("GET", f"/v1/keys/{name}"), 404, "key_not_found")
+
+
+def test_cli_signs_and_verifies_with_a_context(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok(server.request("POST", "/v1/keys/cmp-cli", {"type": "ml-dsa-65-sm2"}), 201)
+    public = bytes.fromhex(latest(server, "cmp-cli")["public_key_raw"])
+    cred = ["--credential", str(server.directory / "dev" / "client.json")]
+
+    def call(*args: str) -> tuple[int, Any]:
+        status = main(["call", *args, *cred])
+        out = capsys.readouterr().out
+        return status, json.loads(out) if out.strip() else None
+
+    status, signed = call("sign", "cmp-cli", "--data", "hello", "--context", "app:v1")
+    assert status == 0
+    signature = unb64(signed["signature"])
+    representative = m_prime("ml-dsa-65-sm2", b"hello", b"app:v1")
+    assert ML_DSA_65.verify(
+        public[:MLDSA_PK], representative, signature[:MLDSA_SIG], ctx=LABELS["ml-dsa-65-sm2"]
+    )
+    assert trad_verifies("ml-dsa-65-sm2", public[MLDSA_PK:], signature[MLDSA_SIG:], representative)
+    verify = ("verify", "cmp-cli", "--data", "hello", "--signature", signed["signature"])
+    assert call(*verify, "--context", "app:v1") == (0, {"valid": True})
+    assert call(*verify) == (1, {"valid": False})

@@ -61,7 +61,6 @@ from service.crypto.pkcs8 import load_untrusted
 DRAFT: Final = "draft-ietf-lamps-pq-composite-sigs-19"
 PREFIX: Final = b"CompositeAlgorithmSignatures2025"
 SEED_SIZE: Final = 32
-MLDSA_PUBLIC_SIZE: Final = 1952
 MLDSA_SIGNATURE_SIZE: Final = 3309
 _SEQUENCE, _INTEGER, _OCTET_STRING, _OID, _BIT_STRING = 0x30, 0x02, 0x04, 0x06, 0x03
 _P256_OID = bytes.fromhex("06082a8648ce3d030107")  # prime256v1, DER encoded
