@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 Series = Mapping[str, Sequence[float | None]]
 
 # One colour per series name, the same in every chart (colour-blind safe, Okabe-Ito).
-_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
+_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
 
 class ChartsUnavailable(RuntimeError):
