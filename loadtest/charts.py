@@ -191,7 +191,7 @@ def _pq_rows(report: rates.Report, axes: Sequence[Axes]) -> None:
     grouped_bars(
         axes[2],
         [type_title(n) for n in names],
-        {text: [report.sizes[n].get(kind) for n in names] for kind, text in labels.items()},
+        {labels[kind]: [report.sizes[n].get(kind) for n in names] for kind in pq.SIZES},
         title="Bytes on the wire (log scale, lower is better)",
         ylabel="bytes",
         log=True,
