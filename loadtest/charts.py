@@ -1,5 +1,6 @@
-"""Charts (PNG) for the benchmarks: ``cryptd bench --chart`` (ops/s per algorithm) and the
-load-test report (cryptd against OpenBao per scenario, throughput and P99).
+"""Charts (PNG) for the benchmarks: ``cryptd bench --chart`` (ops/s per algorithm; the
+post-quantum key types against the classical ones, ops/s and bytes) and the load-test report
+(cryptd against OpenBao per scenario, throughput and P99).
 
 ``python -m loadtest.run --chart FILE.png`` draws the load-test chart after a run;
 ``python -m loadtest.charts RESULTS.json FILE.png`` draws it again from a saved run.
@@ -18,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtest.algorithms import rates
-from loadtest.algorithms.table import size_label
+from loadtest.algorithms import pq, rates
+from loadtest.algorithms.table import size_label, type_title
 from service.cli.bench import require_charts
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 Series = Mapping[str, Sequence[float | None]]
 
 # One colour per series name, the same in every chart (colour-blind safe, Okabe-Ito).
-_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
+_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
 
 class ChartsUnavailable(RuntimeError):
@@ -99,12 +100,26 @@ def save(fig: Figure, path: str | Path) -> Path:
 
 
 def algorithms_chart(report: rates.Report, path: str | Path, titles: Mapping[str, str]) -> Path:
-    """``cryptd bench``: ops/s per operation for each algorithm (SM2 against RSA-2048 and the
-    others), then the service's hybrid encrypt / decrypt by payload size (SM2 against RSA)."""
+    """``cryptd bench``: the post-quantum key types against the classical ones (ops/s per
+    operation, then bytes), ops/s per operation for each algorithm of the SM2 table (SM2
+    against RSA-2048 and the others), then the service's hybrid encrypt / decrypt by payload
+    size (SM2 against RSA); each part when the report has it."""
     backends = [b for b in rates.BACKENDS if any(r.backend == b for r in report.results)]
     sizes = sorted({r.payload for r in report.results if r.payload is not None})
-    fig = figure(2 if sizes else 1)
-    axes: Any = fig.axes
+    pq_rows = 3 if report.sizes else 0
+    fig = figure(pq_rows + (1 if backends else 0) + (1 if sizes else 0))
+    every: Any = fig.axes
+    if pq_rows:
+        _pq_rows(report, every[:pq_rows])
+    axes = every[pq_rows:]
+    meta = report.meta
+    fig.suptitle(
+        f"cryptd bench: Python {meta['python']}, {meta.get('pyca', '')}; SM2: "
+        f"{meta['libcrypto']}; {meta['machine']}, {meta['cpus']} CPUs",
+        fontsize=10,
+    )
+    if not backends:
+        return save(fig, path)
     grouped_bars(
         axes[0],
         list(rates.OPERATIONS),
@@ -131,13 +146,57 @@ def algorithms_chart(report: rates.Report, path: str | Path, titles: Mapping[str
             ylabel="ops/s",
         )
         axes[1].tick_params(axis="x", labelrotation=30, labelsize=8)
-    meta = report.meta
-    fig.suptitle(
-        f"cryptd bench: Python {meta['python']}, {meta['libcrypto']}, {meta['machine']}, "
-        f"{meta['cpus']} CPUs",
-        fontsize=10,
-    )
     return save(fig, path)
+
+
+def _pq_rows(report: rates.Report, axes: Sequence[Axes]) -> None:
+    """ML-DSA against the classical signatures, ML-KEM and X-Wing against RSA-2048 and SM2
+    encryption (ops/s per operation, one bar per key type), then the bytes of each."""
+
+    def measured(names: Sequence[str], operations: Sequence[str]) -> list[str]:
+        return [n for n in names if any(report.rate(pq.label(n), op) for op in operations)]
+
+    def rate(name: str, operation: str) -> float | None:
+        return report.rate(name if name == pq.REFERENCE else pq.label(name), operation)
+
+    signing = measured(pq.SIGNING, pq.SIGN_OPERATIONS)
+    if report.rate(pq.REFERENCE, "sign") is not None:
+        signing.append(pq.REFERENCE)
+    grouped_bars(
+        axes[0],
+        list(pq.SIGN_OPERATIONS),
+        {type_title(n): [rate(n, op) for op in pq.SIGN_OPERATIONS] for n in signing},
+        title="Signatures through cryptd's key handles: ops/s of a 32-byte message, one thread "
+        "(log scale, higher is better)",
+        ylabel="ops/s",
+        log=True,
+    )
+    encrypting = measured(pq.ENCRYPTING, pq.ENCRYPT_OPERATIONS)
+    grouped_bars(
+        axes[1],
+        list(pq.ENCRYPT_OPERATIONS),
+        {type_title(n): [rate(n, op) for op in pq.ENCRYPT_OPERATIONS] for n in encrypting},
+        title=f"Encryption of a {pq.DATA_KEY_BYTES}-byte data key (the service's token) and raw "
+        "KEM: ops/s, one thread (log scale; RSA and SM2 have no KEM)",
+        ylabel="ops/s",
+        log=True,
+    )
+    names = list(dict.fromkeys([*signing, *encrypting]))
+    names = [n for n in names if n in report.sizes]
+    labels = {
+        "signature": "signature",
+        "ciphertext": f"ciphertext of a {pq.DATA_KEY_BYTES}-byte data key",
+        "encapsulation": "KEM ciphertext",
+    }
+    grouped_bars(
+        axes[2],
+        [type_title(n) for n in names],
+        {labels[kind]: [report.sizes[n].get(kind) for n in names] for kind in pq.SIZES},
+        title="Bytes on the wire (log scale, lower is better)",
+        ylabel="bytes",
+        log=True,
+    )
+    axes[2].tick_params(axis="x", labelsize=8)
 
 
 def _present(report: rates.Report) -> set[str]:

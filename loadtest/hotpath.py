@@ -146,7 +146,7 @@ class Driver:
             )
             if status != 200:
                 raise RuntimeError(f"preparing {self.scenario.name}: {status} {answer!r}")
-            ciphertext = orjson.loads(answer)["ciphertext"]
+            ciphertext = endpoint.made_in(orjson.loads(answer))
         self.body = orjson.dumps(endpoint.body(ciphertext))
         status, answer = await self.call(self.path, self.body)
         if status != 200:

@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Final
 
-from loadtest.scenarios import BY_NAME, MIX_BY_NAME, SCENARIOS
+from loadtest.scenarios import BY_NAME, DEFAULT_SCENARIOS, GROUPS, MIX_BY_NAME
 
-CALIBRATION_DEFAULT: Final = tuple(s.name for s in SCENARIOS if s.openbao is not None)
+CALIBRATION_DEFAULT: Final = tuple(
+    name for name in DEFAULT_SCENARIOS if BY_NAME[name].openbao is not None
+)
 CALIBRATION_QUICK: Final = ("aes-encrypt", "rsa-sign")
 
 
@@ -118,10 +120,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.scenarios == "none":  # the case study alone
         chosen: tuple[str, ...] = ()
     else:
-        chosen = tuple(args.scenarios.split(",")) if args.scenarios else (*BY_NAME, *MIX_BY_NAME)
+        named = args.scenarios.split(",") if args.scenarios else [*DEFAULT_SCENARIOS, *MIX_BY_NAME]
+        # a group name (``pq``) stands for its scenarios
+        chosen = tuple(dict.fromkeys(s for name in named for s in GROUPS.get(name, (name,))))
     unknown = [s for s in chosen if s not in BY_NAME and s not in MIX_BY_NAME]
     if unknown:
-        known = ", ".join([*BY_NAME, *MIX_BY_NAME])
+        known = ", ".join([*GROUPS, *BY_NAME, *MIX_BY_NAME])
         raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {known})")
     scenarios = tuple(s for s in chosen if s in BY_NAME)
     mixes = tuple(s for s in chosen if s in MIX_BY_NAME)

@@ -93,8 +93,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_cryptd_env_option(cryptd)
     parser.add_argument(
         "--scenarios",
-        help="comma-separated subset of the scenarios and mixes (default: all; none: the case"
-        " study alone)",
+        help="comma-separated subset of the scenarios and mixes, or 'pq' for the post-quantum"
+        " ones (default: all but those; none: the case study alone)",
     )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the bare-ASGI ceiling")
     parser.add_argument("--case-rate", type=float, default=500.0, help="offered req/s (500)")

@@ -107,6 +107,7 @@ def stream(
     if isinstance(target, OpenBao):
         script, env = "openbao.lua", {"BAO_TOKEN": target.token}
         body = prepared.files[(target.name, scenario.name)]
+        endpoint = scenario.openbao
     else:
         credentials = target if isinstance(target, Cryptd) else signer
         if credentials is None:
@@ -117,10 +118,13 @@ def stream(
         # A cryptd target has its own bodies (its keys); the bare ceiling takes cryptd's.
         owner = target.name if isinstance(target, Cryptd) else "cryptd"
         body = prepared.files[(owner, scenario.name)]
+        endpoint = scenario.cryptd
+    if endpoint is None:
+        raise ValueError(f"{scenario.name} has no {target.name} counterpart")
     return WrkStream(
         script,
         target.url,
-        [scenario.name, str(body)],
+        [scenario.name, str(body), endpoint.path],  # the path: scenarios the script lacks
         connections or plan.connections,
         plan.threads,
         env,

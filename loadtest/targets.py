@@ -97,9 +97,13 @@ class Target(Protocol):
 
 
 def check_response(status: int, data: Any, items: int) -> None:
-    """Raise unless a scenario's response is a success, every batch item included."""
+    """Raise unless a scenario's response is a success, every batch item included, and a
+    verify answers valid (a refused signature is a 200 too)."""
     if not 200 <= status < 300:
         raise RuntimeError(f"status {status}: {data}")
+    answer = data.get("data", data) if isinstance(data, dict) else {}
+    if isinstance(answer, dict) and answer.get("valid") is False:
+        raise RuntimeError(f"the signature was refused: {data}")
     if items > 1:
         results = data.get("batch") or data.get("data", {}).get("batch_results") or []
         failed = [r for r in results if r.get("error")]
@@ -108,13 +112,14 @@ def check_response(status: int, data: Any, items: int) -> None:
 
 
 def prepare_body(target: Target, endpoint: Endpoint) -> dict[str, Any]:
-    """The request body for ``endpoint``; decrypt bodies get a ciphertext made by the target."""
-    ciphertext = None
+    """The request body for ``endpoint``; decrypt bodies get a ciphertext made by the target,
+    verify bodies a signature."""
+    made = None
     if endpoint.encrypt_path is not None:
         status, data = target.request(endpoint.encrypt_path, endpoint.encrypt_body or {})
         check_response(status, data, 1)
-        ciphertext = data["ciphertext"] if "ciphertext" in data else data["data"]["ciphertext"]
-    return endpoint.body(ciphertext)
+        made = endpoint.made_in(data)
+    return endpoint.body(made)
 
 
 @dataclass

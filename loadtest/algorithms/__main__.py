@@ -39,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with_gmssl=not args.no_gmssl,
         rounds=args.rounds,
         progress=_progress if args.verbose else None,
+        classic=not args.pq_only,
+        post_quantum=not args.no_pq,
     )
     if args.json:
         sys.stdout.write(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())

@@ -10,7 +10,9 @@ Measurements (ops/s, one thread unless stated):
 - the payload table: encrypt/decrypt of 16 B .. 8 KiB, as the service does it (hybrid: SM2 wraps
   an SM4-GCM key; RSA-OAEP wraps an AES-256-GCM key) and as plain SM2 of the whole payload (the
   origin article's and gmssl's way);
-- SM2 on several threads, which shows the libcrypto calls release the GIL.
+- SM2 on several threads, which shows the libcrypto calls release the GIL;
+- the post-quantum key types (ML-DSA, ML-KEM, X-Wing) against RSA-2048, ECDSA-P256, Ed25519
+  and SM2 through cryptd's key handles, with signature and ciphertext sizes (:mod:`.pq`).
 
 ``gmssl`` is a reference only (non-cryptographic nonces, C3 never checked): it is measured when
 installed and never used by the service.
@@ -30,6 +32,7 @@ from typing import Any
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
+from loadtest.algorithms import pq
 from service.crypto import _libcrypto, hybrid, sm2
 from service.crypto._sm2_codec import GX, GY, N
 from service.crypto.aead import AesGcm
@@ -70,6 +73,7 @@ class Report:
     seconds: float
     meta: dict[str, str | int]
     results: list[Result] = field(default_factory=list)
+    sizes: dict[str, dict[str, Any]] = field(default_factory=dict)  # key type -> bytes (pq)
 
     def rate(
         self, backend: str, operation: str, payload: int | None = None, threads: int = 1
@@ -89,6 +93,7 @@ class Report:
             "seconds": self.seconds,
             "meta": self.meta,
             "results": [asdict(r) for r in self.results],
+            "sizes": self.sizes,
             "ratios": ratios(self),
             "references": references(self),
         }
@@ -261,8 +266,13 @@ def _sm2_hybrid_ops(key: Sm2Key, payload: bytes) -> dict[str, Op]:
 
 
 def meta() -> dict[str, str | int]:
+    from cryptography import __version__ as pyca_version
+    from cryptography.hazmat.backends.openssl.backend import backend
+
     return {
         "python": platform.python_version(),
+        # pyca's own OpenSSL (ML-DSA, ML-KEM, RSA, ECDSA, Ed25519); the system's for SM2
+        "pyca": f"pyca/cryptography {pyca_version} ({backend.openssl_version_text()})",
         "libcrypto": _libcrypto.version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count() or 1,
@@ -276,9 +286,12 @@ def run(
     with_gmssl: bool = True,
     rounds: int = 3,
     progress: Callable[[Result], None] | None = None,
+    classic: bool = True,
+    post_quantum: bool = True,
 ) -> Report:
     """Measure everything; each figure gets ``seconds`` in total, spread over ``rounds``
-    slices that alternate with the figures it is compared with."""
+    slices that alternate with the figures it is compared with. ``classic``: the SM2 tables;
+    ``post_quantum``: the key types of :mod:`.pq`."""
     report = Report(seconds=seconds, meta=meta())
 
     def record(candidates: dict[str, tuple[Op, int]], operation: str, **extra: int) -> None:
@@ -290,6 +303,11 @@ def run(
             report.results.append(result)
             if progress is not None:
                 progress(result)
+
+    if post_quantum:
+        report.sizes = _post_quantum(record)
+    if not classic:
+        return report
 
     key_payload = secrets.token_bytes(KEY_PAYLOAD)
     sm2_key = sm2.load(sm2.generate())
@@ -330,6 +348,22 @@ def run(
             op = main["sm2"][operation]
             record({f"{THREADS}@1": (op, 1), f"{THREADS}@{threads}": (op, threads)}, operation)
     return report
+
+
+def _post_quantum(record: Callable[..., None]) -> dict[str, dict[str, Any]]:
+    """Each operation across every key type that has it, in alternating slices; the sizes
+    (bytes) per key type."""
+    signing, signing_sizes = pq.candidates(pq.SIGNING, pq.signing_ops)
+    reference = pq.reference_ops()
+    if reference is not None:
+        signing[pq.REFERENCE] = reference
+    for operation in pq.SIGN_OPERATIONS:
+        record({name: (ops[operation], 1) for name, ops in signing.items()}, operation)
+    encrypting, encrypting_sizes = pq.candidates(pq.ENCRYPTING, pq.encrypting_ops)
+    for operation in pq.ENCRYPT_OPERATIONS:
+        having = {name: (ops[operation], 1) for name, ops in encrypting.items() if operation in ops}
+        record(having, operation)
+    return pq.merge_sizes(signing_sizes, encrypting_sizes)
 
 
 # --- derived figures --------------------------------------------------------------------------

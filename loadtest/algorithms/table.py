@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loadtest.algorithms import rates
+from loadtest.algorithms import pq, rates
 
 TITLES = {
     "sm2": "SM2",
@@ -18,6 +18,25 @@ TITLES = {
     "sm2-raw": "SM2 raw",
     "gmssl-raw": "gmssl raw",
 }
+
+# Key types in the post-quantum tables and chart; a type not named here shows its own name.
+TYPE_TITLES = {
+    "ml-dsa-44": "ML-DSA-44",
+    "ml-dsa-65": "ML-DSA-65",
+    "ml-dsa-87": "ML-DSA-87",
+    "ml-kem-768": "ML-KEM-768",
+    "ml-kem-1024": "ML-KEM-1024",
+    "x25519-ml-kem-768": "X-Wing",
+    "rsa-2048": "RSA-2048",
+    "ecdsa-p256": "ECDSA P-256",
+    "ed25519": "Ed25519",
+    "sm2": "SM2",
+    pq.REFERENCE: "ML-DSA-65 (fast-mldsa)",
+}
+
+
+def type_title(name: str) -> str:
+    return TYPE_TITLES.get(name, name)
 
 
 def rate_label(value: float | None) -> str:
@@ -39,14 +58,77 @@ def _row(cells: Sequence[str], widths: Sequence[int]) -> str:
     return first + "".join(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))
 
 
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def render_pq(report: rates.Report) -> list[str]:
+    """The post-quantum key types against the classical ones: ops/s and bytes per type, and
+    each operation's rate against RSA-2048's."""
+    lines = [
+        "",
+        "key types through cryptd's handles (ops/s, one thread; bytes: signature of 32 B, "
+        f"token body of a {pq.DATA_KEY_BYTES}-byte data key, KEM ciphertext)",
+    ]
+
+    def present(names: tuple[str, ...], operations: tuple[str, ...]) -> list[str]:
+        return [
+            n for n in names if any(report.rate(pq.label(n), op) is not None for op in operations)
+        ]
+
+    signing = present(pq.SIGNING, pq.SIGN_OPERATIONS)
+    if report.rate(pq.REFERENCE, "sign") is not None:
+        signing.append(pq.REFERENCE)
+    rsa = "rsa-2048"
+    if signing:
+        widths = [24, 10, 10, 11, 12, 14]
+        header = ["signature", "sign/s", "verify/s", "bytes", "sign/RSA", "verify/RSA"]
+        lines.append(_row(header, widths))
+        for name in signing:
+            key = name if name == pq.REFERENCE else pq.label(name)
+            sign, verify = report.rate(key, "sign"), report.rate(key, "verify")
+            cells = [
+                type_title(name),
+                rate_label(sign),
+                rate_label(verify),
+                _bytes(report.sizes.get(name, {}).get("signature")),
+                _times(rates.ratio(sign, report.rate(pq.label(rsa), "sign"))),
+                _times(rates.ratio(verify, report.rate(pq.label(rsa), "verify"))),
+            ]
+            lines.append(_row(cells, widths))
+    encrypting = present(pq.ENCRYPTING, pq.ENCRYPT_OPERATIONS)
+    if encrypting:
+        widths = [24, 10, 10, 11, 13, 13, 11]
+        header = ["encryption", "encrypt/s", "decrypt/s", "bytes", "encaps/s", "decaps/s", "KEM ct"]
+        lines.append(_row(header, widths))
+        for name in encrypting:
+            sizes = report.sizes.get(name, {})
+            cells = [
+                type_title(name),
+                *(rate_label(report.rate(pq.label(name), op)) for op in ("encrypt", "decrypt")),
+                _bytes(sizes.get("ciphertext")),
+                *(
+                    rate_label(report.rate(pq.label(name), op))
+                    for op in ("encapsulate", "decapsulate")
+                ),
+                _bytes(sizes.get("encapsulation")),
+            ]
+            lines.append(_row(cells, widths))
+    return lines
+
+
 def render(report: rates.Report) -> str:
     meta = report.meta
     lines = [
         f"cryptd bench: ops/s, one thread, {report.seconds:g} s per figure "
-        f"(Python {meta['python']}, {meta['libcrypto']}, {meta['machine']}, "
-        f"{meta['cpus']} CPUs)",
-        "",
+        f"(Python {meta['python']}, {meta.get('pyca', '')}, SM2: {meta['libcrypto']}, "
+        f"{meta['machine']}, {meta['cpus']} CPUs)",
     ]
+    if report.sizes:
+        lines += render_pq(report)
+    if not any(r.backend in rates.BACKENDS for r in report.results):
+        return "\n".join(lines) + "\n"
+    lines.append("")
     backends = [b for b in rates.BACKENDS if any(r.backend == b for r in report.results)]
     widths = [16] + [12] * len(backends) + [14, 11]
     header = ["operation", *(TITLES[b] for b in backends), "SM2/RSA-2048", "SM2/gmssl"]

@@ -39,10 +39,15 @@ function M.urandom(n)
 end
 
 -- Arguments after `--`: scenario name, then an optional file holding the exact request body
--- (the runner writes one for decrypt scenarios, whose ciphertext must come from the target).
+-- (the runner writes one for decrypt scenarios, whose ciphertext must come from the target),
+-- then an optional request path: with body file and path, any scenario of the runner's runs,
+-- listed here or not (the post-quantum ones are described in loadtest/scenarios.py only).
 function M.parse_args(args, scenarios, usage)
   local name = args[1]
   local scenario = name and scenarios[name]
+  if name and args[2] and args[3] then
+    scenario = { path = args[3] }
+  end
   if scenario == nil then
     local names = {}
     for key in pairs(scenarios) do

@@ -1,9 +1,13 @@
-"""``cryptd bench``: SM2 against RSA-2048, ECDSA-P256, Ed25519 and gmssl on this machine.
+"""``cryptd bench``: the key types on this machine, SM2 and the post-quantum ones against
+RSA-2048, ECDSA-P256, Ed25519 (and gmssl for SM2).
 
-Prints the origin article's table (keygen, encrypt, decrypt, sign, verify in ops/s on one core,
+Prints the post-quantum table (ML-DSA, ML-KEM and X-Wing against RSA-2048, ECDSA-P256, Ed25519
+and SM2 through cryptd's key handles: ops/s per operation, signature and ciphertext bytes),
+the origin article's table (keygen, encrypt, decrypt, sign, verify in ops/s on one core,
 with SM2/RSA-2048 and SM2/gmssl ratios), the effect of the payload size, the SM2 speed-up on
-several threads and SM2 against its references; ``--json`` gives the same figures as JSON,
-``--chart FILE.png`` draws them (the ``charts`` extra).
+several threads and SM2 against its references; ``--pq-only`` / ``--no-pq`` keep one part;
+``--json`` gives the same figures as JSON, ``--chart FILE.png`` draws them (the ``charts``
+extra).
 
 The benchmark itself lives beside the product, in the source checkout's ``loadtest`` package:
 this command checks its arguments and runs ``python -m loadtest.algorithms`` with them, so the
@@ -56,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="slices per figure, alternating with its rivals (default: 3)",
     )
     parser.add_argument("--no-gmssl", action="store_true", help="skip the gmssl reference")
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument(
+        "--pq-only", action="store_true", help="only the post-quantum key-type tables"
+    )
+    part.add_argument("--no-pq", action="store_true", help="skip the post-quantum key types")
     parser.add_argument(
         "--chart",
         type=Path,
@@ -97,7 +106,13 @@ def _passed_on(args: argparse.Namespace) -> list[str]:
         argv += ["--sizes", ",".join(str(size) for size in args.sizes)]
     if args.chart is not None:
         argv += ["--chart", str(args.chart)]
-    flags = {"--json": args.json, "--no-gmssl": args.no_gmssl, "--verbose": args.verbose}
+    flags = {
+        "--json": args.json,
+        "--no-gmssl": args.no_gmssl,
+        "--verbose": args.verbose,
+        "--pq-only": args.pq_only,
+        "--no-pq": args.no_pq,
+    }
     return argv + [flag for flag, given in flags.items() if given]
 
 
@@ -130,7 +145,8 @@ def handle(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "bench",
-        help="measure SM2 against RSA-2048, ECDSA-P256, Ed25519 and gmssl on this machine",
+        help="measure SM2 and the post-quantum key types against RSA-2048, ECDSA-P256 and"
+        " Ed25519 on this machine",
         description=__doc__,
     )
     add_arguments(parser)
