@@ -259,6 +259,8 @@ def seal_migrate(args: argparse.Namespace) -> int:
 
     if (args.shares is None) != (args.threshold is None):
         raise SealError("--shares and --threshold go together")
+    if args.shares is not None and args.to != "shamir":
+        raise SealError("--shares and --threshold split the key for --to shamir only")
     source = SealSettings()
     target = target_settings(
         source, args.to, master_key_file=args.master_key_file, sealed_file=args.sealed_file
