@@ -173,8 +173,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     p = actions.add_parser(
         "init",
-        help="create the seal's key and the sealed master key (pkcs11), or the master key "
-        "file (static)",
+        help="create the seal's key and the sealed master key (pkcs11), the wrapped master key "
+        "(transit), the shares (shamir), or the master key file (static)",
     )
     p.add_argument(
         "--master-key-file",
@@ -212,7 +212,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="static seal: the new key replaces the file CRYPTD_MASTER_KEY_FILE "
         "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
         "the new key sealed by the same token key replaces the sealed file (the old one kept "
-        "as <file>.retired-<key id>). Every worker of every replica moves to the new key as "
+        "as <file>.retired-<key id>); transit: the same, wrapped by the Transit key's latest "
+        "version. Every worker of every replica moves to the new key as "
         "it sees the store change.",
     )
     p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")

@@ -362,8 +362,8 @@ def refuse_unless_file(settings: SealSettings, seal: Seal | None = None) -> KeyF
         return files
     if settings.seal != "static":
         raise SealError(
-            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static, "
-            "pkcs11 and transit seals in this release (docs/DEPLOY.md, Rotating the master key)"
+            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static and "
+            "pkcs11 seals in this release (docs/DEPLOY.md, Rotating the master key)"
         )
     if settings.master_key is not None:
         raise SealError(
