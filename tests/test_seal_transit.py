@@ -15,7 +15,7 @@ from service.cli import main
 from service.config import SealSettings
 from service.keys.masterkey import MasterKey
 from service.seal import SealError, open_seal
-from service.seal.rotation import SealedKeyFiles
+from service.seal.rotation import SealedKeyFiles, files_for, files_from_spec, files_spec
 from service.seal.transit import TransitSeal
 from tests.conftest import Server, free_port
 from tests.transit_support import Bao
@@ -290,3 +290,28 @@ def test_another_cryptd_as_transit(
     assert "refused the client of CRYPTD_TRANSIT_CREDENTIAL_FILE" in _error(
         capsys, "keystore", "show"
     )
+
+
+def test_a_pool_process_builds_the_same_seal_from_its_spec(tmp_path: Path) -> None:
+    """What crosses to a pool process: the settings (a token file's path, never a token)."""
+    settings = SealSettings(
+        seal="transit",
+        transit_address="https://bao.example:8200",
+        transit_token_file=tmp_path / "token",
+        transit_mount="secret-transit",
+        transit_key="k1",
+        transit_ca_file=tmp_path / "ca.pem",
+        sealed_master_key_file=tmp_path / "sealed.json",
+    )
+    files = files_for(settings)
+    spec = files_spec(files)
+    assert spec is not None
+    assert spec[0] == "transit"
+    rebuilt = files_from_spec(spec)
+    assert isinstance(rebuilt, SealedKeyFiles)
+    seal = rebuilt.seal
+    assert isinstance(seal, TransitSeal)
+    assert seal.sealed_file == tmp_path / "sealed.json"
+    for name in ("transit_address", "transit_token_file", "transit_mount", "transit_key",
+                 "transit_ca_file", "transit_timeout"):  # fmt: skip
+        assert getattr(seal.settings, name) == getattr(settings, name), name

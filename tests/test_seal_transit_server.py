@@ -63,6 +63,22 @@ def test_workers_unwrap_at_start_and_outlive_openbao(tmp_path: Path) -> None:
                 seal = connection.get("/readyz").json()["checks"]["seal"]
                 assert seal == {"ok": True, "kind": "transit", "available": True}
 
+            # Online rotation: the worker that runs it wraps a new master key with the
+            # Transit key; every worker (and pool process) finds it through the Transit seal.
+            rotation = server.request("POST", "/v1/sys/rotate-master-key", {})
+            assert rotation.status_code == 200, rotation.text
+            assert rotation.json()["seal"] == "transit"
+            deadline = time.monotonic() + 20
+            for connection in workers.values():
+                while True:
+                    answer = server.request(
+                        "POST", "/v1/keys/payments/rotate", {}, connection=connection
+                    )
+                    if answer.status_code == 200 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.3)  # this worker has not seen the new store yet
+                assert answer.status_code == 200, answer.text
+
             bao.stop()
             time.sleep(2.1)  # the seal's status is cached for two seconds
             for index, connection in workers.items():

@@ -42,6 +42,7 @@ from service.seal import sealedfile
 from service.seal.base import SealError, SealStatus
 
 STATUS_CACHE_SECONDS = 2.0  # /readyz is unsigned: it must not let anyone drive Transit calls
+PROBE_TIMEOUT = 1.0  # a readiness probe (k8s: timeoutSeconds 2) must not wait on a dead peer
 PROBE = b"cryptd transit seal probe"
 PROBE_AAD = b"cryptd-transit-probe"
 SPEC_FIELDS = {
@@ -111,9 +112,7 @@ class OpenBaoTransit:
         self.key = key
         self.token_file = token_file
         self.label = f"{self.mount}/{key}"
-        self._http = httpx.Client(
-            base_url=self.address, timeout=timeout, verify=_verify(ca_file), trust_env=False
-        )
+        self._http = httpx.Client(base_url=self.address, timeout=timeout, verify=_verify(ca_file))
 
     def _token(self) -> str:
         try:
@@ -292,8 +291,8 @@ class CryptdTransit:
         self._client.close()
 
 
-def backend_from_settings(settings: SealSettings) -> Backend:
-    timeout = settings.transit_timeout
+def backend_from_settings(settings: SealSettings, timeout: float | None = None) -> Backend:
+    timeout = settings.transit_timeout if timeout is None else timeout
     if settings.transit_credential_file is not None:
         return CryptdTransit(
             settings.transit_credential_file,
@@ -331,7 +330,9 @@ class TransitSeal:
         self.settings = settings
         self.sealed_file = sealed_file or settings.sealed_master_key_path()
         self._backend: Backend | None = None
+        self._probe_backend: Backend | None = None
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         self._probe_ciphertext: str | None = None
         self._status: tuple[float, SealStatus] | None = None
 
@@ -440,8 +441,14 @@ class TransitSeal:
         cached = self._status
         if cached is not None and now - cached[0] < STATUS_CACHE_SECONDS:
             return cached[1]
-        with self._lock:
+        if not self._probe_lock.acquire(blocking=False):
+            if cached is not None:
+                return cached[1]  # a probe is under way: its answer comes soon
+            self._probe_lock.acquire()
+        try:
             reason = self._probe()
+        finally:
+            self._probe_lock.release()
         status = SealStatus(
             self.kind, sealed=False, threshold=1, progress=0, available=reason is None,
             reason=reason,
@@ -454,7 +461,11 @@ class TransitSeal:
         decrypts the constant made at unseal, and never encrypts (an OpenBao encrypt may
         create a missing key); without one, the sealed file is opened again."""
         try:
-            backend = self.backend
+            if self._probe_backend is None:
+                self._probe_backend = backend_from_settings(
+                    self.settings, min(PROBE_TIMEOUT, self.settings.transit_timeout)
+                )
+            backend = self._probe_backend
             if self._probe_ciphertext is None:
                 sealed = sealedfile.read(self.sealed_file)
                 opened = backend.decrypt(
@@ -472,7 +483,8 @@ class TransitSeal:
             return f"Transit unavailable: {type(exc).__name__}"
 
     def close(self) -> None:
-        with self._lock:
-            backend, self._backend = self._backend, None
-            if backend is not None:
-                backend.close()
+        with self._lock, self._probe_lock:
+            for backend in (self._backend, self._probe_backend):
+                if backend is not None:
+                    backend.close()
+            self._backend = self._probe_backend = None
