@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # starts OpenBao
 
 @pytest.fixture(scope="module")
 def bao(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bao]:
-    made = Bao(tmp_path_factory.mktemp("openbao")).start()
+    made = Bao(tmp_path_factory.mktemp("openbao"), tls=True).start()  # HTTPS, its own CA
     yield made
     made.stop()
 
@@ -315,3 +315,16 @@ def test_a_pool_process_builds_the_same_seal_from_its_spec(tmp_path: Path) -> No
     for name in ("transit_address", "transit_token_file", "transit_mount", "transit_key",
                  "transit_ca_file", "transit_timeout"):  # fmt: skip
         assert getattr(seal.settings, name) == getattr(settings, name), name
+
+
+def test_the_transit_certificate_is_verified(
+    deployment: Path, bao: Bao, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every test here talks HTTPS to OpenBao, trusted through CRYPTD_TRANSIT_CA_FILE; without
+    it the certificate is not trusted and nothing is written."""
+    assert bao.url.startswith("https://")
+    monkeypatch.delenv("CRYPTD_TRANSIT_CA_FILE")
+    assert "cannot be reached" in _error(capsys, "operator", "init")
+    assert not deployment.with_name("sealed-master-key.json").exists()
+    monkeypatch.setenv("CRYPTD_TRANSIT_CA_FILE", str(deployment.parent / "absent-ca.pem"))
+    assert "CRYPTD_TRANSIT_CA_FILE" in _error(capsys, "operator", "init")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ def find_bao() -> str:
 @dataclass
 class Bao:
     directory: Path
+    tls: bool = False  # -dev-tls: OpenBao's own HTTPS listener and the CA it generates
     url: str = ""
     process: subprocess.Popen[bytes] | None = None
     token_file: Path = field(init=False)
@@ -45,8 +47,9 @@ class Bao:
     def start(self) -> Bao:
         self.directory.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         log = self.directory / "openbao.log"
+        tls = ["-dev-tls", f"-dev-tls-cert-dir={self.directory}"] if self.tls else []
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 [
@@ -56,6 +59,7 @@ class Bao:
                     f"-dev-root-token-id={ROOT_TOKEN}",
                     f"-dev-listen-address=127.0.0.1:{port}",
                     "-dev-no-store-token",
+                    *tls,
                 ],
                 cwd=self.directory,
                 env={**os.environ, "HOME": str(self.directory)},
@@ -66,8 +70,13 @@ class Bao:
         deadline = time.monotonic() + 30
         while True:
             assert self.process.poll() is None, log.read_text()[-2000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/v1/sys/health", timeout=1).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, OSError):
+                if (
+                    httpx.get(
+                        self.url + "/v1/sys/health", timeout=1, verify=self.verify()
+                    ).status_code
+                    == 200
+                ):
                     break
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)
@@ -77,12 +86,20 @@ class Bao:
         self.create_key("cryptd-seal")
         return self
 
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "vault-ca.pem"
+
+    def verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=str(self.ca_file)) if self.tls else True
+
     def write(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         answer = httpx.post(
             self.url + path,
             content=orjson.dumps(body),
             headers={"X-Vault-Token": ROOT_TOKEN},
             timeout=10,
+            verify=self.verify(),
         )
         assert answer.status_code in (200, 204), answer.text
         return dict(orjson.loads(answer.content)) if answer.content else {}
@@ -93,13 +110,17 @@ class Bao:
     def delete_key(self, name: str) -> None:
         self.write(f"/v1/transit/keys/{name}/config", {"deletion_allowed": True})
         answer = httpx.delete(
-            f"{self.url}/v1/transit/keys/{name}", headers={"X-Vault-Token": ROOT_TOKEN}
+            f"{self.url}/v1/transit/keys/{name}",
+            headers={"X-Vault-Token": ROOT_TOKEN},
+            verify=self.verify(),
         )
         assert answer.status_code == 204, answer.text
 
     def latest_version(self, name: str) -> int:
         answer = httpx.get(
-            f"{self.url}/v1/transit/keys/{name}", headers={"X-Vault-Token": ROOT_TOKEN}
+            f"{self.url}/v1/transit/keys/{name}",
+            headers={"X-Vault-Token": ROOT_TOKEN},
+            verify=self.verify(),
         )
         return int(answer.json()["data"]["latest_version"])
 
@@ -109,6 +130,7 @@ class Bao:
             "CRYPTD_TRANSIT_ADDRESS": self.url,
             "CRYPTD_TRANSIT_TOKEN_FILE": str(self.token_file),
             "CRYPTD_TRANSIT_KEY": key,
+            **({"CRYPTD_TRANSIT_CA_FILE": str(self.ca_file)} if self.tls else {}),
         }
 
     def stop(self) -> None:

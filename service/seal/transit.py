@@ -91,8 +91,8 @@ def _verify(ca_file: Path | None) -> ssl.SSLContext | bool:
         return True
     try:
         return ssl.create_default_context(cafile=str(ca_file))
-    except (OSError, ssl.SSLError) as exc:
-        raise SealError(f"CRYPTD_TRANSIT_CA_FILE {ca_file} cannot be read as a CA") from exc
+    except (OSError, ssl.SSLError):
+        raise SealError(f"CRYPTD_TRANSIT_CA_FILE {ca_file} cannot be read as a CA") from None
 
 
 class OpenBaoTransit:
