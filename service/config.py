@@ -127,7 +127,7 @@ def _problems_of(exc: ValidationError) -> list[str]:
     return found
 
 
-SealKind = Literal["static", "pkcs11", "shamir"]
+SealKind = Literal["static", "pkcs11", "shamir", "transit"]
 
 
 class SealSettings(BaseSettings):
@@ -138,7 +138,8 @@ class SealSettings(BaseSettings):
 
     env: Literal["production", "development"] = "production"
     # static: the key itself in CRYPTD_MASTER_KEY(_FILE); pkcs11: only wrapped, by a token key;
-    # shamir: only as shares held by operators (the server starts sealed).
+    # shamir: only as shares held by operators (the server starts sealed); transit: only wrapped,
+    # by a key of an OpenBao/Vault Transit engine or of another cryptd (auto-unseal).
     seal: SealKind = "static"
     master_key: SecretStr | None = None
     master_key_file: Path | None = None
@@ -147,6 +148,15 @@ class SealSettings(BaseSettings):
     pkcs11_token_label: str | None = None
     pkcs11_key_label: str = "cryptd-seal"
     pkcs11_pin_file: Path | None = None
+    # transit (service/seal/transit.py): OpenBao/Vault with an address and a token file, or
+    # another cryptd with a client credential file (its URL unless the address overrides it).
+    transit_address: str | None = None
+    transit_key: str = "cryptd-seal"
+    transit_mount: str = "transit"
+    transit_token_file: Path | None = None
+    transit_credential_file: Path | None = None
+    transit_ca_file: Path | None = None
+    transit_timeout: float = Field(default=5.0, gt=0, le=120)
     # The sealed master key (pkcs11: not secret without the token) or the Shamir split's public
     # facts (shamir): beside the keyring file unless set.
     sealed_master_key_file: Path | None = None
@@ -171,6 +181,8 @@ class SealSettings(BaseSettings):
             ]
         if self.seal == "shamir":
             return []
+        if self.seal == "transit":
+            return self._transit_problems()
         missing = [
             name
             for name, value in (
@@ -182,6 +194,26 @@ class SealSettings(BaseSettings):
         ]
         if missing:
             return [f"CRYPTD_SEAL=pkcs11 needs {', '.join(missing)}"]
+        return []
+
+    def _transit_problems(self) -> list[str]:
+        peer, bao = self.transit_credential_file, self.transit_token_file
+        if peer is not None and bao is not None:
+            return [
+                "CRYPTD_SEAL=transit: set CRYPTD_TRANSIT_TOKEN_FILE (OpenBao/Vault) or "
+                "CRYPTD_TRANSIT_CREDENTIAL_FILE (another cryptd), not both"
+            ]
+        if peer is None and bao is None:
+            return [
+                "CRYPTD_SEAL=transit needs CRYPTD_TRANSIT_ADDRESS and CRYPTD_TRANSIT_TOKEN_FILE "
+                "(OpenBao/Vault), or CRYPTD_TRANSIT_CREDENTIAL_FILE (another cryptd)"
+            ]
+        if bao is not None and not self.transit_address:
+            return [
+                "CRYPTD_SEAL=transit with CRYPTD_TRANSIT_TOKEN_FILE needs CRYPTD_TRANSIT_ADDRESS"
+            ]
+        if self.transit_address and not self.transit_address.startswith(("http://", "https://")):
+            return [f"CRYPTD_TRANSIT_ADDRESS {self.transit_address!r}: an http(s):// URL"]
         return []
 
     def load_master_key(self) -> bytes:

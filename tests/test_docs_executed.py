@@ -80,9 +80,17 @@ DOCUMENTS: dict[str, Document] = {
         )
     ),
     "docs/DEPLOY.md": Document(
-        ("node-setup", "node-serve", "node-call", "pg-setup", "pg-serve", "pg-call"),
+        (
+            "node-setup",
+            "node-serve",
+            "node-call",
+            "pg-setup",
+            "pg-serve",
+            "pg-call",
+            "seal-migrate",
+        ),
         postgres=True,
-        programs=("bash", "jq", "openssl", "curl", "psql"),
+        programs=("bash", "jq", "openssl", "curl", "psql", "softhsm2-util"),
     ),
 }
 
@@ -432,6 +440,12 @@ def test_documented_block(block: Block, documents: dict[str, DocumentRun]) -> No
         node = run.directory / "cryptd-node"
         exposed = [f.name for f in node.iterdir() if f.stat().st_mode & 0o077]
         assert exposed == []
+    if block.id == "docs/DEPLOY.md:seal-migrate":
+        # Moved to the token, the key store opens as it was; the plain key file is gone.
+        output = (run.logs / "seal-migrate.out").read_text().splitlines()
+        assert [line for line in output if line in ("pkcs11", "1")] == ["pkcs11", "1"]
+        assert any("is now kept by the pkcs11 seal" in line for line in output)
+        assert not (run.directory / "seal-demo" / "master.key").exists()
     if block.id == "docs/MIGRATION.md:2-again":
         # The restored row, and only it, is migrated by the second pass.
         report = (run.logs / "2-again.out").read_text()

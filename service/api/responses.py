@@ -212,7 +212,9 @@ class Readiness(_Answer):
 
 
 class MasterKeyRotation(_Answer):
-    seal: Literal["static", "pkcs11"] = Field(description="Where the new master key is kept.")
+    seal: Literal["static", "pkcs11", "transit"] = Field(
+        description="Where the new master key is kept."
+    )
     previous_master_key_id: str = Field(description="Public fingerprint of the retired key.")
     master_key_id: str = Field(description="Public fingerprint of the new master key.")
     keys: int = Field(description="Keys rewrapped (internal ones included).")
@@ -229,9 +231,12 @@ class SealStatus(_Answer):
     sealed: bool = Field(description="True until the master key is in this server's memory.")
     threshold: int = Field(description="How many unseal shares it takes (1: the seal's own key).")
     progress: int = Field(description="Valid shares received so far while sealed.")
-    type: Literal["static", "pkcs11", "shamir"] = Field(description="The seal (CRYPTD_SEAL).")
+    type: Literal["static", "pkcs11", "shamir", "transit"] = Field(
+        description="The seal (CRYPTD_SEAL)."
+    )
     available: bool = Field(
-        description="Whether the seal's backing (the PKCS#11 token) answers; false: crypto "
+        description="Whether the seal's backing (the PKCS#11 token, the Transit service) answers; "
+        "false: crypto "
         "keeps serving from memory and /readyz is degraded."
     )
     refused: int = Field(

@@ -245,8 +245,9 @@ ROUTES: tuple[Route, ...] = (
           {200: r.MasterKeyRotation},
           (*SIGNED, "forbidden", "conflict", "keystore_unavailable", "sealed"), tag="seal",
           description="Online: crypto keeps serving, every worker moves to the new key. "
-          "Static seal with CRYPTD_MASTER_KEY_FILE, or pkcs11 (409 otherwise, or while "
-          "another rotation runs). Body: none or {}. docs/DEPLOY.md, Rotating the master key."),
+          "Static seal with CRYPTD_MASTER_KEY_FILE, pkcs11 or transit (409 otherwise, or "
+          "while another rotation runs; 503 with Retry-After while the token or Transit "
+          "service is unavailable). Body: none or {}. docs/DEPLOY.md, Rotating the master key."),
     Route("GET", "/metrics", "metrics", "Prometheus text exposition", None, {200: None}, ANY,
           signed=False, tag="health", media_type="text/plain"),
 )  # fmt: skip

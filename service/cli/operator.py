@@ -6,6 +6,8 @@ and unseal a server started sealed.
   master key sealed under it in ``CRYPTD_SEALED_MASTER_KEY_FILE`` (default: beside the
   keyring file). ``--master-key-file`` seals an existing master key instead of a fresh one:
   a static deployment moves to the token without rewrapping any key version.
+- ``transit``: the master key wrapped by the Transit key (OpenBao/Vault, or another cryptd)
+  in ``CRYPTD_SEALED_MASTER_KEY_FILE``; ``--master-key-file`` wraps an existing one.
 - ``shamir``: ``--shares N --threshold K`` splits a new master key into N SLIP-39 shares
   printed once (one per line, or ``--json``); only the split's public facts are written.
 
@@ -13,6 +15,9 @@ Then ``cryptd keystore init`` creates the key store under that master key, as be
 
 ``rotate-master-key`` makes a new master key where the seal keeps it and rewraps every key
 version under it, while the service keeps serving (service/seal/rotation.py).
+
+``seal-migrate --to SEAL`` keeps the same master key under another seal; the key store is not
+touched (service/seal/migrate.py).
 """
 
 from __future__ import annotations
@@ -70,7 +75,30 @@ def init(args: argparse.Namespace) -> int:
             }
         )
         return 0
+    if settings.seal == "transit":
+        return _init_transit(settings, existing)
     return _init_static(settings, existing)
+
+
+def _init_transit(settings: SealSettings, existing: bytes | None) -> int:
+    from service.seal.transit import TransitSeal
+
+    seal = TransitSeal.from_settings(settings)
+    try:
+        report = seal.init(existing)
+        _print(
+            {
+                "seal": "transit",
+                "transit_address": seal.backend.address,
+                "transit_key": seal.key_label,
+                "transit_key_version": report.key_version,
+                "sealed_master_key_file": str(report.sealed_file),
+                "master_key_id": report.key_id,
+            }
+        )
+    finally:
+        seal.close()
+    return 0
 
 
 def _init_shamir(settings: SealSettings, args: argparse.Namespace, existing: bytes | None) -> int:
@@ -117,6 +145,11 @@ def rotate_master_key(args: argparse.Namespace) -> int:
     settings = SealSettings()
     files = refuse_unless_file(settings)  # before anything is opened: say why at once
     seal = getattr(files, "seal", None)
+    if args.rotate_transit_key:
+        if settings.seal != "transit":
+            raise SealError("--rotate-transit-key is for CRYPTD_SEAL=transit")
+        assert seal is not None  # SealedKeyFiles of the transit seal
+        seal.rotate_key()  # the new master key is wrapped by the new version
     store = store_from_args(args)
     try:
         manager = KeyManager(store, files.current(), lookup=files)
@@ -140,8 +173,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     p = actions.add_parser(
         "init",
-        help="create the seal's key and the sealed master key (pkcs11), or the master key "
-        "file (static)",
+        help="create the seal's key and the sealed master key (pkcs11), the wrapped master key "
+        "(transit), the shares (shamir), or the master key file (static)",
     )
     p.add_argument(
         "--master-key-file",
@@ -179,12 +212,86 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="static seal: the new key replaces the file CRYPTD_MASTER_KEY_FILE "
         "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
         "the new key sealed by the same token key replaces the sealed file (the old one kept "
-        "as <file>.retired-<key id>). Every worker of every replica moves to the new key as "
+        "as <file>.retired-<key id>); transit: the same, wrapped by the Transit key's latest "
+        "version. Every worker of every replica moves to the new key as "
         "it sees the store change.",
     )
     p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
     p.add_argument("--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)")
+    p.add_argument(
+        "--rotate-transit-key",
+        action="store_true",
+        help="transit: first make a new version of the Transit key (the token needs update on "
+        "<mount>/keys/<key>/rotate); without it the new master key is wrapped by the key's "
+        "latest version as it is",
+    )
     p.set_defaults(func=rotate_master_key)
+
+    p = actions.add_parser(
+        "seal-migrate",
+        help="keep the same master key under another seal (the key store is not rewritten)",
+        description="The old seal is the one the environment names (CRYPTD_SEAL and its "
+        "settings); the new seal takes its settings from the same environment "
+        "(CRYPTD_PKCS11_*, CRYPTD_TRANSIT_*). The new seal's file is written and opened "
+        "again before anything else; a file both seals use is replaced atomically, the old "
+        "one copied to <file>.from-<old seal>. Run it again after an interruption: it "
+        "finishes. Then set CRYPTD_SEAL to the new seal and restart every replica.",
+    )
+    p.add_argument("--to", required=True, choices=["static", "pkcs11", "transit", "shamir"])
+    p.add_argument(
+        "--master-key-file", type=Path, help="--to static: where the key goes (mode 0600)"
+    )
+    p.add_argument(
+        "--sealed-file",
+        type=Path,
+        help="the new seal's file (default: CRYPTD_SEALED_MASTER_KEY_FILE, or beside the "
+        "keyring file)",
+    )
+    p.add_argument("--shares", type=int, help="--to shamir: how many shares to make")
+    p.add_argument("--threshold", type=int, help="--to shamir: how many shares unseal")
+    p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
+    p.add_argument("--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)")
+    p.set_defaults(func=seal_migrate)
+
+
+def seal_migrate(args: argparse.Namespace) -> int:
+    from service.cli.keys import store_from_args
+    from service.seal.migrate import migrate, target_settings
+
+    if (args.shares is None) != (args.threshold is None):
+        raise SealError("--shares and --threshold go together")
+    if args.shares is not None and args.to != "shamir":
+        raise SealError("--shares and --threshold split the key for --to shamir only")
+    source = SealSettings()
+    target = target_settings(
+        source, args.to, master_key_file=args.master_key_file, sealed_file=args.sealed_file
+    )
+    shares = None if args.shares is None else (args.shares, args.threshold)
+    store = store_from_args(args)
+    try:
+        report = migrate(source, target, store, shares=shares)
+    finally:
+        store.close()
+    body = report.body()
+    if report.shares:
+        body["shares"] = report.shares  # shown once, stored nowhere: one per operator
+    _print(body)
+    for warning in report.warnings:
+        print(f"cryptd: warning: {warning}", file=sys.stderr)
+    done = "was already" if report.already else "is now"
+    if report.backup is not None:
+        old = f"; the old seal's file is kept as {report.backup}"
+    elif report.previous is not None:
+        old = f"; remove {report.previous} once every replica runs on the new seal"
+    else:
+        old = "; then unset CRYPTD_MASTER_KEY"
+    print(
+        f"cryptd: master key {report.master_key_id} {done} kept by the {report.target} seal in "
+        f"{report.written}. Set CRYPTD_SEAL={report.target} (and its settings) and restart "
+        f"every replica{old}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def unseal(args: argparse.Namespace) -> int:

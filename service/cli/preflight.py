@@ -76,20 +76,27 @@ def _master_key_source(settings: Settings) -> str:
         )
     if settings.seal == "shamir":
         return f"Shamir shares (starts sealed; {settings.sealed_master_key_path()})"
+    if settings.seal == "transit":
+        where = settings.transit_address or f"the peer of {settings.transit_credential_file}"
+        return (
+            f"wrapped by Transit key {settings.transit_key!r} at {where} "
+            f"({settings.sealed_master_key_path()})"
+        )
     if settings.master_key is not None:
         return "CRYPTD_MASTER_KEY (environment)"
     return f"CRYPTD_MASTER_KEY_FILE {settings.master_key_file}"
 
 
 def _master_key_problem(settings: Settings) -> bytes | None:
-    """The master key as each worker will get it from the seal; ``None`` for a Shamir seal,
-    whose key only the operators' shares give (its seal file is checked)."""
+    """The master key as each worker will get it from the seal (pkcs11: the token, transit: the
+    Transit service asked once here); ``None`` for a Shamir seal, whose key only the
+    operators' shares give (its seal file is checked)."""
     try:
         if settings.seal == "shamir":
             open_seal(settings).close()
             return None
-        if settings.seal == "pkcs11":
-            return unseal_once(settings)
+        if settings.seal in ("pkcs11", "transit"):
+            return unseal_once(settings)  # transit: the service answers and opens the key
         return settings.load_master_key()
     except SealError as exc:
         raise ValueError(str(exc)) from None

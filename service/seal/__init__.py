@@ -26,6 +26,10 @@ def open_seal(settings: SealSettings) -> Seal:
         from service.seal.pkcs11 import Pkcs11Seal  # the binding is an optional extra
 
         return Pkcs11Seal.from_settings(settings)
+    if settings.seal == "transit":
+        from service.seal.transit import TransitSeal
+
+        return TransitSeal.from_settings(settings)
     from service.seal.static import StaticSeal
 
     return StaticSeal(settings)

@@ -1,7 +1,8 @@
 """Master-key rotation: a new master key where the seal keeps it, every key version rewrapped
 under it, online. ``static``: the file ``CRYPTD_MASTER_KEY_FILE`` names; ``pkcs11``: the sealed
 master key file, the new key sealed by the same token key (:class:`SealedKeyFiles`, the same
-steps with ``<sealed file>.next`` and ``<sealed file>.retired-<key id>``).
+steps with ``<sealed file>.next`` and ``<sealed file>.retired-<key id>``); ``transit``: the
+same, the new key wrapped by the Transit key's latest version.
 
 The order of writes makes a SIGKILL at any moment harmless:
 
@@ -31,7 +32,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from service.config import SealSettings, decode_master_key
 from service.errors import Conflict
@@ -44,6 +45,7 @@ from service.seal.base import Seal, SealError
 
 if TYPE_CHECKING:
     from service.seal.pkcs11 import Pkcs11Seal  # the binding is an optional extra
+    from service.seal.transit import TransitSeal
 
 log = logging.getLogger("cryptd.seal")
 
@@ -142,10 +144,10 @@ _KEY_ID = re.compile(r"[0-9a-f]{16}")
 
 
 class SealedKeyFiles:
-    """The pkcs11 seal's sealed master key files: current, staged, and one retired file per
-    old key (``<file>.retired-<key id>``), each opened by the token key."""
+    """The pkcs11 (or transit) seal's sealed master key files: current, staged, and one retired
+    file per old key (``<file>.retired-<key id>``), each opened by the token (Transit) key."""
 
-    def __init__(self, seal: Pkcs11Seal) -> None:
+    def __init__(self, seal: Pkcs11Seal | TransitSeal) -> None:
         self.seal = seal
         self.path = seal.sealed_file
         self.staged = staged_path(self.path)
@@ -231,6 +233,12 @@ def files_for(settings: SealSettings, seal: Seal | None = None) -> KeyFiles | No
         if not isinstance(seal, Pkcs11Seal):
             seal = Pkcs11Seal.from_settings(settings)
         return SealedKeyFiles(seal)
+    if settings.seal == "transit":
+        from service.seal.transit import TransitSeal
+
+        if not isinstance(seal, TransitSeal):
+            seal = TransitSeal.from_settings(settings)
+        return SealedKeyFiles(seal)
     if settings.seal != "static" or settings.master_key is not None:
         return None
     if settings.master_key_file is None:
@@ -245,6 +253,9 @@ def files_spec(files: KeyFiles | None) -> tuple[str, ...] | None:
         return ("static", str(files.path))
     if isinstance(files, SealedKeyFiles):
         seal = files.seal
+        if seal.kind == "transit":
+            return cast("TransitSeal", seal).spec()
+        seal = cast("Pkcs11Seal", seal)
         return (
             "pkcs11",
             str(seal.module),
@@ -259,6 +270,10 @@ def files_spec(files: KeyFiles | None) -> tuple[str, ...] | None:
 def files_from_spec(spec: tuple[str, ...] | None) -> KeyFiles | None:
     if spec is None:
         return None
+    if spec[0] == "transit":
+        from service.seal.transit import TransitSeal
+
+        return SealedKeyFiles(TransitSeal.from_spec(spec))
     if spec[0] == "pkcs11":
         from service.seal.pkcs11 import Pkcs11Seal
 
@@ -341,7 +356,7 @@ class RotationReport:
 
 def refuse_unless_file(settings: SealSettings, seal: Seal | None = None) -> KeyFiles:
     """Where the new key goes; SealError saying why a rotation cannot run here."""
-    if settings.seal == "pkcs11":
+    if settings.seal in ("pkcs11", "transit"):
         files = files_for(settings, seal)
         assert files is not None
         return files
