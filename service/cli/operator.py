@@ -12,7 +12,8 @@ and unseal a server started sealed.
 Then ``cryptd keystore init`` creates the key store under that master key, as before.
 
 ``rotate-master-key`` makes a new master key where the seal keeps it and rewraps every key
-version under it, while the service keeps serving (service/seal/rotation.py).
+version under it, while the service keeps serving (service/seal/rotation.py); for ``shamir``
+it takes the current shares on stdin and prints the new ones once.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def rotate_master_key(args: argparse.Namespace) -> int:
     from service.seal.rotation import refuse_unless_file, rotate
 
     settings = SealSettings()
+    if settings.seal == "shamir":
+        return _rotate_shamir(settings, args)
     files = refuse_unless_file(settings)  # before anything is opened: say why at once
     seal = getattr(files, "seal", None)
     store = store_from_args(args)
@@ -133,6 +136,52 @@ def rotate_master_key(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _rotate_shamir(settings: SealSettings, args: argparse.Namespace) -> int:
+    """The current shares on stdin (as a sealed start takes them); the new split's shares
+    printed once, before the store is rewrapped under its key, so a rotation that commits
+    never leaves a key whose shares nobody saw."""
+    from service.cli.keys import store_from_args
+    from service.keys.manager import KeyManager
+    from service.seal import unseal_once
+    from service.seal.rotation import rotate
+    from service.seal.shamir_rotation import ShamirKeyFiles
+
+    path = settings.sealed_master_key_path()
+    master = unseal_once(settings)
+    files = ShamirKeyFiles(path, master)
+    store = store_from_args(args)
+    try:
+        manager = KeyManager(store, MasterKey(master), lookup=files)
+        manager.load()
+        files.on_staged = lambda shares: _print_new_shares(shares, args.json)
+        report = rotate(settings, manager.snapshot, files=files)
+    finally:
+        store.close()
+    if args.json:
+        sys.stdout.write(orjson.dumps(report.body()).decode() + "\n")
+    print(
+        f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
+        f"shares printed above unseal it from now on, the previous ones are refused "
+        f"({path}; docs/DEPLOY.md)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _print_new_shares(shares: list[str], as_json: bool) -> None:
+    # Shown once, stored nowhere: each line goes to one operator.
+    if as_json:
+        sys.stdout.write(orjson.dumps({"shares": shares}).decode() + "\n")
+    else:
+        sys.stdout.write("".join(share + "\n" for share in shares))
+    sys.stdout.flush()
+    print(
+        f"cryptd: {len(shares)} new shares printed once; they unseal the service once this "
+        "rotation reports success (until then, the previous shares still do)",
+        file=sys.stderr,
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -179,11 +228,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="static seal: the new key replaces the file CRYPTD_MASTER_KEY_FILE "
         "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
         "the new key sealed by the same token key replaces the sealed file (the old one kept "
-        "as <file>.retired-<key id>). Every worker of every replica moves to the new key as "
+        "as <file>.retired-<key id>). shamir: the current shares are read on stdin, a new "
+        "split with the same N and K is printed once, and the old shares are refused from "
+        "then on. Every worker of every replica moves to the new key as "
         "it sees the store change.",
     )
     p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
     p.add_argument("--keystore-url", help="PostgreSQL key store (default: $CRYPTD_KEYSTORE_URL)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='shamir: print {"shares": [...]} then the report, one JSON object per line',
+    )
     p.set_defaults(func=rotate_master_key)
 
 
