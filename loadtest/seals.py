@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -70,13 +71,17 @@ def sealed_server(
     cpus: frozenset[int] | None = None,
     env: dict[str, str] | None = None,
     workers: int = 1,
+    prepare: Callable[[Path], None] | None = None,
 ) -> Cryptd:
     """A server (not started) whose master key the seal ``seal`` keeps; ``env``: more
-    settings, the same for every seal."""
+    settings, the same for every seal; ``prepare(dev)``: called on the development state
+    (``master.key`` still there) before the seal takes the key."""
     if seal not in SEALS:
         raise ValueError(f"unknown seal {seal!r} (one of {', '.join(SEALS)})")
     dev = directory / "dev"
     _run([sys.executable, "-c", _PREPARE, str(dev)], _clean_env())
+    if prepare is not None:
+        prepare(dev)
     master = dev / "master.key"
     settings = {
         "CRYPTD_ENV": "development",
