@@ -291,8 +291,10 @@ def test_the_command_reads_the_shares_and_prints_the_new_ones(
             monkeypatch.setenv(name, value)
     monkeypatch.delenv("CRYPTD_KEYSTORE_URL", raising=False)
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(s + "\n" for s in deployment.shares)))
-    assert main(["operator", "rotate-master-key", "--json"]) == 0
+    argv = ["operator", "rotate-master-key", "--handover-seconds", "0"]
+    assert main([*argv, "--json"]) == 0
     out = capsys.readouterr()
+    assert "handover" not in orjson.loads(deployment.path.read_bytes())  # removed after
     first, second = out.out.splitlines()
     shares = orjson.loads(first)["shares"]
     report = orjson.loads(second)
@@ -302,10 +304,10 @@ def test_the_command_reads_the_shares_and_prints_the_new_ones(
     assert deployment.open(shares[:THRESHOLD]).master.key_id == report["master_key_id"]
     # Text output: one share per line; the previous shares on stdin are refused now.
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(s + "\n" for s in deployment.shares)))
-    assert main(["operator", "rotate-master-key"]) == 1
+    assert main(argv) == 1
     assert "retired" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("".join(s + "\n" for s in shares)))
-    assert main(["operator", "rotate-master-key"]) == 0
+    assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == SHARES
     assert all(len(line.split()) == 33 for line in lines)

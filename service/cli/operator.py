@@ -22,6 +22,7 @@ import argparse
 import base64
 import secrets
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -145,28 +146,37 @@ def _rotate_shamir(settings: SealSettings, args: argparse.Namespace) -> int:
     from service.cli.keys import store_from_args
     from service.keys.manager import KeyManager
     from service.seal import unseal_once
-    from service.seal.rotation import rotate
+    from service.seal.rotation import LOCK, rotate
     from service.seal.shamir_rotation import ShamirKeyFiles
 
     path = settings.sealed_master_key_path()
     master = unseal_once(settings)
     files = ShamirKeyFiles(path, master)
+    files.handover_seconds = args.handover_seconds
     store = store_from_args(args)
     try:
         manager = KeyManager(store, MasterKey(master), lookup=files)
         manager.load()
         files.on_staged = lambda shares: _print_new_shares(shares, args.json)
         report = rotate(settings, manager.snapshot, files=files)
+        if args.json:
+            sys.stdout.write(orjson.dumps(report.body()).decode() + "\n")
+            sys.stdout.flush()
+        print(
+            f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
+            f"shares printed above unseal it from now on, the previous ones are refused "
+            f"({path}; docs/DEPLOY.md). Running processes move to it within "
+            f"{args.handover_seconds:g} s; the hand-over is removed then",
+            file=sys.stderr,
+        )
+        # Running processes holding the previous key find the new one through the hand-over
+        # until it goes: then the old shares lead nowhere.
+        time.sleep(args.handover_seconds)
+        with store.try_lock(LOCK) as held:
+            if held:  # else another rotation runs: its new split carries no hand-over of ours
+                files.drop_handover()
     finally:
         store.close()
-    if args.json:
-        sys.stdout.write(orjson.dumps(report.body()).decode() + "\n")
-    print(
-        f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
-        f"shares printed above unseal it from now on, the previous ones are refused "
-        f"({path}; docs/DEPLOY.md)",
-        file=sys.stderr,
-    )
     return 0
 
 
@@ -239,6 +249,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--json",
         action="store_true",
         help='shamir: print {"shares": [...]} then the report, one JSON object per line',
+    )
+    p.add_argument(
+        "--handover-seconds",
+        type=float,
+        default=120.0,
+        help="shamir: how long running processes holding the previous key can find the new "
+        "one (the command waits, then removes the hand-over; default 120)",
     )
     p.set_defaults(func=rotate_master_key)
 

@@ -5,9 +5,10 @@ file alone opens:
 
 - ``handover``: the new key wrapped under the previous one, so every process still holding
   the previous key (other workers, pool processes, replicas sharing the file) finds the new
-  one by the id the store names and moves to it without shares. It is ignored once
-  ``expires`` has passed and removed from the file at the next start or rotation, so the
-  old shares stop leading to the new key;
+  one by the id the store names and moves to it without shares. The rotating command removes
+  it after ``--handover-seconds``; should it not (killed), it is ignored once ``expires`` has
+  passed and removed at the next start or rotation, so the old shares stop leading to the
+  new key;
 - ``retired``: each replaced split's identifier (a share of it is refused with the reason)
   and its key wrapped under its successor, so backups made before a rotation still restore.
 
@@ -36,7 +37,7 @@ from service.keys.masterkey import MasterKey
 from service.seal.base import SealError
 from service.seal.shamir import new_split
 
-HANDOVER_SECONDS = 600.0  # long enough for every replica to see the store change
+HANDOVER_SECONDS = 120.0  # the default: long enough for every replica to see the store change
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -56,6 +57,7 @@ class ShamirKeyFiles:
         self.staged = self.path.with_name(self.path.name + ".next")
         self.retired = self.path  # retired keys are kept (wrapped) in the seal file itself
         self._known: dict[str, bytes] = {}
+        self.handover_seconds = HANDOVER_SECONDS
         self.shares: list[str] = []  # the new split's mnemonics after stage(), shown once
         # Called with them once staged, before the store is rewrapped (the command prints).
         self.on_staged: Callable[[list[str]], None] | None = None
@@ -161,7 +163,7 @@ class ShamirKeyFiles:
         document["handover"] = {
             "from": old_id,
             "wrapped": base64.b64encode(MasterKey(old).wrap_master(key)).decode(),
-            "expires": time.time() + HANDOVER_SECONDS,
+            "expires": time.time() + self.handover_seconds,
         }
         document["retired"] = retired
         atomic_write(self.staged, orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
@@ -181,12 +183,16 @@ class ShamirKeyFiles:
 
     def drop_expired_handover(self) -> bool:
         """Remove a hand-over whose time has passed (the caller holds the rotation lock)."""
+        return self.drop_handover(expired_only=True)
+
+    def drop_handover(self, *, expired_only: bool = False) -> bool:
+        """Remove the hand-over from the seal file (the caller holds the rotation lock)."""
         document = self._document(self.path)
         handover = None if document is None else document.get("handover")
         if document is None or handover is None:
             return False
         expires = handover.get("expires") if isinstance(handover, dict) else None
-        if isinstance(expires, float | int) and expires >= time.time():
+        if expired_only and isinstance(expires, float | int) and expires >= time.time():
             return False
         del document["handover"]
         atomic_write(self.path, orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
