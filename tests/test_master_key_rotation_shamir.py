@@ -38,6 +38,7 @@ from service.stores import open_store
 ROOT = Path(__file__).resolve().parent.parent
 TYPES = ("aes256-gcm", "ed25519", "sm4-gcm")
 SHARES, THRESHOLD = 3, 2
+HANDOVER = ("--handover-seconds", "8")  # the workers' store check comes every few seconds
 
 
 @dataclass
@@ -429,3 +430,87 @@ def test_sigkill_before_and_after_the_commit(
         assert current != old_id
         assert manager.master.key_id == current
         check_readable(deployment.open(printed), deployment)
+
+
+# A real server -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_running_server_moves_and_a_restart_needs_the_new_shares(tmp_path: Path) -> None:
+    """Two workers unsealed with the shares; the command rotates while they serve; both move
+    to the new key (their log says so, and a key made after the rotation encrypts on each);
+    after a restart an old share is refused with the reason and the new ones unseal."""
+    from tests.conftest import connections_to_every_worker
+    from tests.test_seal_server import _encrypt, _serve
+    from tests.test_seal_shamir_server import _unseal
+    from tests.test_seal_support import make_store
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CRYPTD_")}
+    env = {
+        **clean,
+        "CRYPTD_SEAL": "shamir",
+        "CRYPTD_ENV": "production",
+        "CRYPTD_TLS": "off",
+        "CRYPTD_CLIENTS_FILE": str(tmp_path / "clients.json"),
+        "CRYPTD_KEYRING_FILE": str(tmp_path / "keyring.json"),
+        "CRYPTD_WORKERS": "2",
+        "CRYPTD_SIGNATURE_MAX_SKEW": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    master = secrets.token_bytes(32)
+    secret = make_store(tmp_path, master)
+    shares = split(tmp_path / "sealed-master-key.json", SHARES, THRESHOLD, master)
+    credential = tmp_path / "operator.json"
+
+    def point_at(url: str) -> None:
+        document = {"url": url, "client_id": "app", "secret": base64.b64encode(secret).decode()}
+        credential.write_bytes(orjson.dumps(document))
+
+    with _serve(env, tmp_path, secret, until="/healthz") as server:
+        point_at(server.url)
+        for share in shares[:THRESHOLD]:
+            assert _unseal(env, credential, share)[0] == 0
+        with connections_to_every_worker(server, 2) as workers:
+            before = {i: _encrypt(server, c).json()["ciphertext"] for i, c in workers.items()}
+        rotation = subprocess.run(
+            [sys.executable, "-m", "service", "operator", "rotate-master-key", "--json", *HANDOVER],
+            input="".join(s + "\n" for s in shares[1:]),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert rotation.returncode == 0, rotation.stderr
+        printed, report = map(orjson.loads, rotation.stdout.splitlines())
+        new_id = report["master_key_id"]
+        assert "handover" not in orjson.loads((tmp_path / "sealed-master-key.json").read_bytes())
+        moved = [line for line in server.log().splitlines() if "master key changed" in line]
+        assert len({orjson.loads(line)["pid"] for line in moved}) >= 2, moved
+        assert all(orjson.loads(line)["master_key_id"] == new_id for line in moved)
+        made = server.request("POST", "/v1/keys/after", {"type": "aes256-gcm"})
+        assert made.status_code == 201, made.text
+        with connections_to_every_worker(server, 2) as workers:
+            for index, connection in workers.items():
+                answer = server.request(
+                    "POST", "/v1/decrypt/payments", {"ciphertext": before[index]},
+                    connection=connection,
+                )  # fmt: skip
+                assert answer.status_code == 200, answer.text
+                answer = server.request(
+                    "POST", "/v1/encrypt/after", {"plaintext": "aGk="}, connection=connection
+                )
+                assert answer.status_code == 200, answer.text
+    with _serve(env, tmp_path, secret, until="/healthz", log="restart") as again:
+        point_at(again.url)
+        code, refused = _unseal(env, credential, shares[0])
+        assert code == 1
+        assert "retired" in orjson.dumps(refused).decode()
+        for share in printed["shares"][:THRESHOLD]:
+            assert _unseal(env, credential, share)[0] == 0
+        with connections_to_every_worker(again, 2) as workers:
+            for index, connection in workers.items():
+                answer = again.request(
+                    "POST", "/v1/decrypt/payments", {"ciphertext": before[index]},
+                    connection=connection,
+                )  # fmt: skip
+                assert answer.status_code == 200, answer.text
