@@ -11,15 +11,15 @@ is put where ``--audit-dir`` says (default: a temporary directory; use the disk 
 would). At the end the trail is proved with ``cryptd audit verify`` and its records counted
 against the requests answered.
 
-The report (JSON) goes to ``loadtest/results/``; the summary is printed. Run it on a quiet
-machine: never in CI.
+The report (JSON) goes to ``loadtest/results/``; the summary is printed and, with
+``--record``, written as ``docs/results/DATE-audit-cost.md``. Run it on a quiet machine: never
+in CI. The alternation is loadtest/alternate.py's, shared with loadtest/seal_parity.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +31,8 @@ from typing import Any
 
 import orjson
 
-from loadtest.measure import Measurement, run_wrk
+from loadtest import alternate
+from loadtest.alternate import per_core
 from loadtest.phase import describe, rsa_sign_us
 from loadtest.plan import Topology, make_topology
 from loadtest.targets import Cryptd
@@ -75,12 +76,6 @@ class Report:
         }
 
 
-def per_core(measurement: Measurement, cores: int) -> float:
-    if measurement.errors:
-        raise RuntimeError(f"{measurement.errors} requests failed during a round")
-    return measurement.requests / measurement.seconds / cores
-
-
 def audit_env(directory: Path) -> dict[str, str]:
     return {"CRYPTD_AUDIT_LOG": str(directory / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"}
 
@@ -120,29 +115,14 @@ def measure(
     try:
         for server in servers:
             server.start()
-        if topology.pinned:
-            os.sched_setaffinity(0, topology.client)  # wrk, our child, inherits it
-        for number in range(rounds):
-            figures: dict[str, float] = {}
-            # Alternate which goes first, so a trend within the round favours neither.
-            for server in servers if number % 2 == 0 else reversed(servers):
-                measured = run_wrk(
-                    "cryptd.lua",
-                    server.url,
-                    ["aes-encrypt"],
-                    connections=connections,
-                    duration=duration,
-                    env={"CRYPTD_CREDENTIALS": str(server.credentials)},
-                    server_pid=server.pid,
-                )
-                figures[server.name] = per_core(measured, topology.server_cores)
-                if server is audited:
-                    report.audited_requests += measured.requests
-            report.rounds.append(Round(figures["audit-off"], figures["audited"]))
-            print(
-                f"round {number + 1}/{rounds}: off {figures['audit-off']:,.0f}/s per core,"
-                f" audited {figures['audited']:,.0f}/s ({report.rounds[-1].ratio:.3f})",
-                file=sys.stderr,
+        found = alternate.rounds(
+            servers, topology, rounds, duration=duration, connections=connections
+        )
+        for figures in found:
+            cores = topology.server_cores
+            report.audited_requests += figures["audited"].requests
+            report.rounds.append(
+                Round(per_core(figures["audit-off"], cores), per_core(figures["audited"], cores))
             )
     finally:
         for server in servers:
@@ -165,6 +145,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
     parser.add_argument("--server-cpus", help="CPUs of the servers (default: the rest)")
     parser.add_argument("--out", type=Path, help="the JSON report (default: loadtest/results/)")
+    parser.add_argument(
+        "--record", action="store_true", help="also write docs/results/DATE-audit-cost.md"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.duration <= 0 or args.connections < 1:
         parser.error("--rounds, --duration and --connections must be positive")
@@ -184,14 +167,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"audit-cost-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    print(
-        f"{report.topology}; {report.phase}\n"
-        f"audit fail-closed costs {report.cost:.1%} of AES-GCM encrypt throughput per core"
-        f" (goal <= {GOAL:.0%}); {report.records} encrypt records for"
-        f" {report.audited_requests} requests answered; verify exit {report.verify_exit}\n"
-        f"report: {out}"
-    )
+    text = markdown(report, args, stamp)
+    print(text + f"\nreport: {out}")
+    if args.record:
+        print(f"recorded {alternate.record('audit-cost', text)}", file=sys.stderr)
     return 0 if summary["met"] else 1
+
+
+def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
+    rows = "\n".join(
+        f"| {n} | {r.off_ops:,.0f} | {r.audited_ops:,.0f} | {r.ratio:.3f} |"
+        for n, r in enumerate(report.rounds, 1)
+    )
+    return (
+        f"# Audit trail cost ({stamp})\n\n"
+        f"- {report.topology}; {report.phase}\n"
+        f"- `python -m loadtest.audit_cost --rounds {args.rounds} --duration {args.duration:g}"
+        f" --connections {args.connections}`\n"
+        f"- AES-GCM encrypt, one worker; audited: `CRYPTD_AUDIT_LOG` file, fail-closed, group"
+        f" `fdatasync`\n\n"
+        f"| round | audit off req/s per core | audited | ratio |\n|---|---|---|---|\n{rows}\n\n"
+        f"**Cost: {report.cost:.1%}** of throughput per core (goal <= {GOAL:.0%}); "
+        f"{report.records} encrypt records for {report.audited_requests} requests answered; "
+        f"`cryptd audit verify` exit {report.verify_exit}."
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -140,6 +140,11 @@ class Cryptd:
     ca_file: Path | None = None  # with tls: the CA that issued the server's certificate
     # The interpreter that runs it (one where cryptd is installed: a venv's python); "": this one.
     python: str = ""
+    # False: ``cryptd serve`` on the development state prepared beforehand (loadtest/seals.py),
+    # configured by ``env`` alone: a seal other than static cannot take --dev's key file.
+    dev: bool = True
+    # Called once the server listens and before it is ready: a sealed one is unsealed here.
+    unseal: Callable[[Cryptd], None] | None = None
     _process: subprocess.Popen[bytes] | None = None
     _http: httpx.Client | None = None
     _redis_pids: list[int] = field(default_factory=list)
@@ -159,7 +164,8 @@ class Cryptd:
         with open(log, "ab") as out:
             self._process = subprocess.Popen(
                 pinned(
-                    [self.python or sys.executable, "-m", "service", "serve", "--dev"]
+                    [self.python or sys.executable, "-m", "service", "serve"]
+                    + (["--dev"] if self.dev else [])
                     + ["--port", str(port)]
                     + (["--tls"] if self.tls else []),
                     self.cpus,
@@ -172,6 +178,9 @@ class Cryptd:
             )
         self.ca_file = self.directory / "dev" / "tls" / "ca.crt" if self.tls else None
         verify = str(self.ca_file) if self.ca_file else True
+        if self.unseal is not None:
+            _wait_ready(self._process, self.url + "/v1/sys/seal-status", log, verify)
+            self.unseal(self)
         _wait_ready(self._process, self.url + "/readyz", log, verify)
         self.credentials = self.directory / "dev" / "client.json"
         credential = orjson.loads(self.credentials.read_bytes())

@@ -321,6 +321,8 @@ class Settings(SealSettings):
     audit_checkpoint_interval: float = Field(default=10.0, gt=0, le=3600)
     audit_max_bytes: int = Field(default=0, ge=0)
     audit_hmac_key_names: bool = False  # key names as HMACs too (the salt is the deployment's)
+    # The checkpoint signing key's type when the service makes it (an existing key keeps its).
+    audit_signing_key_type: Literal["ed25519", "sm2"] = "ed25519"
     audit_syslog: str | None = None  # "host:port": RFC 5424 over TCP, a second copy
     metrics: bool = True
     # Keys labelled in cryptd_key_operations_total; later keys count as key="_other".

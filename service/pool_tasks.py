@@ -43,8 +43,8 @@ def init_worker(
         MasterKey(master_key),
         read_only=True,
         activation_delay=activation_delay,
-        # A master-key rotation: the new key is found where the static seal keeps it.
-        lookup=files_from_spec(key_files),
+        # A master-key rotation: the new key is found where the seal keeps it.
+        lookup=files_from_spec(key_files, master_key),
     )
     manager.load()
     _state = _WorkerState(manager, observer)

@@ -25,7 +25,6 @@ from service.keys.admin import initialise
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.store import KeyStore
-from service.seal import SealError
 from service.seal.rotation import StaticKeyFiles, rotate, settle_store
 from service.stores import open_store
 
@@ -449,11 +448,3 @@ async def test_the_route_refuses_a_key_only_in_the_environment(tmp_path: Path) -
     assert "CRYPTD_MASTER_KEY" in answer.json()["error"]["message"]
     assert deployment.keyring.read_bytes() == before
     assert not deployment.files.staged.exists()
-
-
-def test_shamir_is_refused_with_the_reason(tmp_path: Path) -> None:
-    from service.seal.rotation import refuse_unless_file
-
-    settings = SealSettings(seal="shamir", keyring_file=tmp_path / "keyring.json")
-    with pytest.raises(SealError, match="static and pkcs11"):
-        refuse_unless_file(settings)

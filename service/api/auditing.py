@@ -169,6 +169,7 @@ def open_audit_trail(
         max_bytes=settings.audit_max_bytes,
         on_failure=on_failure,
         secondary=None if address is None else SyslogSink(*address),
+        signing_key_type=settings.audit_signing_key_type,
     )
 
 

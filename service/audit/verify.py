@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from service.audit import chain, checkpoint
 
@@ -56,7 +55,7 @@ class _Bad(Exception):
 
 def verify(
     paths: Sequence[str | Path],
-    keys: Mapping[int, Ed25519PublicKey],
+    keys: Mapping[int, checkpoint.VerifyingKey],
     *,
     partial: bool = False,
     sealed: bool = False,
@@ -110,7 +109,7 @@ def _read(path: str) -> _File:
 def _check_stream(
     stream: StreamReport,
     files: list[_File],
-    keys: Mapping[int, Ed25519PublicKey],
+    keys: Mapping[int, checkpoint.VerifyingKey],
     *,
     partial: bool,
     sealed: bool,

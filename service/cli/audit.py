@@ -14,12 +14,11 @@ master key, from ``--public-key`` files that ``cryptd audit public-key`` wrote.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import orjson
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from service.audit import checkpoint, redact
 from service.audit.verify import verify
@@ -37,27 +36,26 @@ def _internal(args: argparse.Namespace, name: str) -> Key:
     return key
 
 
-def _keyring_public_keys(args: argparse.Namespace) -> dict[int, Ed25519PublicKey]:
+def _keyring_public_keys(args: argparse.Namespace) -> dict[int, checkpoint.Verifier]:
     key = _internal(args, checkpoint.SIGNING_KEY)
-    found: dict[int, Ed25519PublicKey] = {}
+    found: dict[int, checkpoint.Verifier] = {}
     for number, version in key.versions.items():
         pem = version.handle.public_key_pem()
-        public = None if pem is None else load_pem_public_key(pem.encode())
-        if not isinstance(public, Ed25519PublicKey):
-            raise ValueError(f"version {number} of {checkpoint.SIGNING_KEY} is not Ed25519")
-        found[number] = public
+        if key.type.name not in checkpoint.SIGNING_KEY_TYPES or pem is None:
+            raise ValueError(f"version {number} of {checkpoint.SIGNING_KEY} is not Ed25519 or SM2")
+        found[number] = checkpoint.verifier_from_pem(pem)
     return found
 
 
-def _file_public_keys(paths: list[str]) -> dict[int, Ed25519PublicKey]:
-    found: dict[int, Ed25519PublicKey] = {}
+def _file_public_keys(paths: list[str]) -> dict[int, checkpoint.Verifier]:
+    found: dict[int, checkpoint.Verifier] = {}
     for path in paths:
         document = orjson.loads(Path(path).read_bytes())
         for number, pem in document["versions"].items():
-            public = load_pem_public_key(pem.encode())
-            if not isinstance(public, Ed25519PublicKey):
-                raise ValueError(f"{path}: version {number} is not an Ed25519 public key")
-            found[int(number)] = public
+            try:
+                found[int(number)] = checkpoint.verifier_from_pem(pem)
+            except ValueError as exc:
+                raise ValueError(f"{path}: version {number}: {exc}") from None
     return found
 
 
@@ -65,7 +63,7 @@ def init_command(args: argparse.Namespace) -> int:
     manager = KeyManager(store_from_args(args), master_key_from_env(args.master_key_file))
     manager.load()
     for name, type_name in (
-        (checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE),
+        (checkpoint.SIGNING_KEY, args.signing_key_type),
         (redact.HMAC_KEY, redact.HMAC_KEY_TYPE),
     ):
         found = name in manager.keyring.internal
@@ -127,6 +125,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common = store_options()
     init = actions.add_parser(
         "init", parents=[common], help="create the keyring's audit signing and HMAC keys"
+    )
+    init.add_argument(
+        "--signing-key-type",
+        choices=checkpoint.SIGNING_KEY_TYPES,
+        default=os.environ.get("CRYPTD_AUDIT_SIGNING_KEY_TYPE", checkpoint.SIGNING_KEY_TYPE),
+        help="the checkpoint signing key's type when it is made here (default "
+        "$CRYPTD_AUDIT_SIGNING_KEY_TYPE, else ed25519); an existing key keeps its type",
     )
     init.set_defaults(func=init_command)
     check = actions.add_parser(

@@ -14,7 +14,8 @@ and unseal a server started sealed.
 Then ``cryptd keystore init`` creates the key store under that master key, as before.
 
 ``rotate-master-key`` makes a new master key where the seal keeps it and rewraps every key
-version under it, while the service keeps serving (service/seal/rotation.py).
+version under it, while the service keeps serving (service/seal/rotation.py); for ``shamir``
+it takes the current shares on stdin and prints the new ones once.
 
 ``seal-migrate --to SEAL`` keeps the same master key under another seal; the key store is not
 touched (service/seal/migrate.py).
@@ -26,6 +27,7 @@ import argparse
 import base64
 import secrets
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -143,6 +145,8 @@ def rotate_master_key(args: argparse.Namespace) -> int:
     from service.seal.rotation import refuse_unless_file, rotate
 
     settings = SealSettings()
+    if settings.seal == "shamir":
+        return _rotate_shamir(settings, args)
     files = refuse_unless_file(settings)  # before anything is opened: say why at once
     seal = getattr(files, "seal", None)
     if args.rotate_transit_key:
@@ -166,6 +170,61 @@ def rotate_master_key(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _rotate_shamir(settings: SealSettings, args: argparse.Namespace) -> int:
+    """The current shares on stdin (as a sealed start takes them); the new split's shares
+    printed once, before the store is rewrapped under its key, so a rotation that commits
+    never leaves a key whose shares nobody saw."""
+    from service.cli.keys import store_from_args
+    from service.keys.manager import KeyManager
+    from service.seal import unseal_once
+    from service.seal.rotation import LOCK, rotate
+    from service.seal.shamir_rotation import ShamirKeyFiles
+
+    path = settings.sealed_master_key_path()
+    master = unseal_once(settings)
+    files = ShamirKeyFiles(path, master)
+    files.handover_seconds = args.handover_seconds
+    store = store_from_args(args)
+    try:
+        manager = KeyManager(store, MasterKey(master), lookup=files)
+        manager.load()
+        files.on_staged = lambda shares: _print_new_shares(shares, args.json)
+        report = rotate(settings, manager.snapshot, files=files)
+        if args.json:
+            sys.stdout.write(orjson.dumps(report.body()).decode() + "\n")
+            sys.stdout.flush()
+        print(
+            f"cryptd: every key version rewrapped under master key {report.master_key_id}; the "
+            f"shares printed above unseal it from now on, the previous ones are refused "
+            f"({path}; docs/DEPLOY.md). Running processes move to it within "
+            f"{args.handover_seconds:g} s; the hand-over is removed then",
+            file=sys.stderr,
+        )
+        # Running processes holding the previous key find the new one through the hand-over
+        # until it goes: then the old shares lead nowhere.
+        time.sleep(args.handover_seconds)
+        with store.try_lock(LOCK) as held:
+            if held:  # else another rotation runs: its new split carries no hand-over of ours
+                files.drop_handover()
+    finally:
+        store.close()
+    return 0
+
+
+def _print_new_shares(shares: list[str], as_json: bool) -> None:
+    # Shown once, stored nowhere: each line goes to one operator.
+    if as_json:
+        sys.stdout.write(orjson.dumps({"shares": shares}).decode() + "\n")
+    else:
+        sys.stdout.write("".join(share + "\n" for share in shares))
+    sys.stdout.flush()
+    print(
+        f"cryptd: {len(shares)} new shares printed once; they unseal the service once this "
+        "rotation reports success (until then, the previous shares still do)",
+        file=sys.stderr,
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -213,7 +272,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "names (atomically; the old one is kept in <file>.retired for older backups). pkcs11: "
         "the new key sealed by the same token key replaces the sealed file (the old one kept "
         "as <file>.retired-<key id>); transit: the same, wrapped by the Transit key's latest "
-        "version. Every worker of every replica moves to the new key as "
+        "version. shamir: the current shares are read on stdin, a new split with the same N "
+        "and K is printed once, and the old shares are refused from then on. Every worker of "
+        "every replica moves to the new key as "
         "it sees the store change.",
     )
     p.add_argument("--keyring", help="keyring file (default: $CRYPTD_KEYRING_FILE)")
@@ -224,6 +285,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="transit: first make a new version of the Transit key (the token needs update on "
         "<mount>/keys/<key>/rotate); without it the new master key is wrapped by the key's "
         "latest version as it is",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='shamir: print {"shares": [...]} then the report, one JSON object per line',
+    )
+    p.add_argument(
+        "--handover-seconds",
+        type=float,
+        default=120.0,
+        help="shamir: how long running processes holding the previous key can find the new "
+        "one (the command waits, then removes the hand-over; default 120)",
     )
     p.set_defaults(func=rotate_master_key)
 

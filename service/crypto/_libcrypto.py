@@ -82,6 +82,7 @@ _SONAMES = ("libcrypto.so.3", "libcrypto.3.dylib")
 _MIN_VERSION = 0x30000000
 _OPENSSL_VERSION = 0  # OpenSSL_version(OPENSSL_VERSION)
 _KEYPAIR = 0x87  # EVP_PKEY_KEYPAIR: private + public key + domain parameters
+_PUBLIC_KEY = 0x86  # EVP_PKEY_PUBLIC_KEY: public key + domain parameters
 _MAX_SIGNATURE = 72  # DER SEQUENCE of two 33-byte INTEGERs
 _POINT = 65  # 04 || x || y
 _SCALAR = 32
@@ -150,17 +151,99 @@ def _text(cdata: Any) -> str:
     return value.decode("ascii", "replace") if isinstance(value, bytes) else value
 
 
-class Sm2PrivateKey:
-    """An SM2 key pair inside libcrypto (an ``EVP_PKEY``; freed with this object).
-
-    libcrypto allows concurrent use of one EVP_PKEY from several threads; each operation makes
-    its own short-lived context.
-    """
+class Sm2PublicKey:
+    """An SM2 public key inside libcrypto (an ``EVP_PKEY``; freed with this object): it
+    verifies. libcrypto allows concurrent use of one EVP_PKEY from several threads; each
+    operation makes its own short-lived context."""
 
     __slots__ = ("_pkey",)
 
     def __init__(self, pkey: Any) -> None:
         self._pkey = ffi.gc(pkey, lib().EVP_PKEY_free)
+
+    @classmethod
+    def decode_public(cls, der: bytes) -> Sm2PublicKey | None:
+        """Parse a DER SubjectPublicKeyInfo as an SM2 public key; None if it is not one."""
+        return Sm2PublicKey._decode(der, "SubjectPublicKeyInfo", _PUBLIC_KEY)
+
+    @classmethod
+    def _decode(cls, der: bytes | bytearray, structure: str, selection: int) -> Sm2PublicKey | None:
+        crypto = lib()
+        out = ffi.new("EVP_PKEY **")
+        dctx = crypto.OSSL_DECODER_CTX_new_for_pkey(
+            out, b"DER", structure.encode("ascii"), b"SM2", selection, ffi.NULL, ffi.NULL
+        )
+        if dctx == ffi.NULL:
+            _fail("OSSL_DECODER_CTX_new_for_pkey")
+        try:
+            data = ffi.new("const unsigned char **", ffi.from_buffer(der))
+            remaining = ffi.new("size_t *", len(der))
+            decoded = crypto.OSSL_DECODER_from_data(dctx, data, remaining) == 1
+        finally:
+            crypto.OSSL_DECODER_CTX_free(dctx)
+        key = cls(out[0]) if out[0] != ffi.NULL else None  # owned (and freed) from here on
+        if (
+            not decoded
+            or key is None
+            or remaining[0] != 0  # trailing bytes
+            or crypto.EVP_PKEY_is_a(key._pkey, b"SM2") != 1
+            or key._group() != "SM2"
+        ):
+            crypto.ERR_clear_error()
+            return None
+        return key
+
+    def _group(self) -> str:
+        name = ffi.new("char[]", 64)
+        size = ffi.new("size_t *")
+        if lib().EVP_PKEY_get_utf8_string_param(self._pkey, b"group", name, 64, size) != 1:
+            lib().ERR_clear_error()
+            return ""
+        return _text(name)
+
+    def public_point(self) -> bytes:
+        """The uncompressed public point 04 || x || y."""
+        out = ffi.new("unsigned char[]", _POINT)
+        size = ffi.new("size_t *")
+        if lib().EVP_PKEY_get_octet_string_param(self._pkey, b"pub", out, _POINT, size) != 1:
+            _fail("EVP_PKEY_get_octet_string_param(pub)")
+        if size[0] != _POINT or out[0] != 4:
+            raise LibcryptoError("libcrypto: public point is not uncompressed")
+        return _bytes(out, _POINT)
+
+    def verify_digest(self, signature: bytes, digest: bytes) -> bool:
+        crypto = lib()
+        ctx = self._context()
+        try:
+            if crypto.EVP_PKEY_verify_init(ctx) != 1:
+                _fail("EVP_PKEY_verify_init")
+            valid = bool(
+                crypto.EVP_PKEY_verify(
+                    ctx,
+                    ffi.from_buffer(signature),
+                    len(signature),
+                    ffi.from_buffer(digest),
+                    len(digest),
+                )
+                == 1
+            )
+        finally:
+            crypto.EVP_PKEY_CTX_free(ctx)
+        if not valid:
+            crypto.ERR_clear_error()
+        return valid
+
+    def _context(self) -> Any:
+        ctx = lib().EVP_PKEY_CTX_new_from_pkey(ffi.NULL, self._pkey, ffi.NULL)
+        if ctx == ffi.NULL:
+            _fail("EVP_PKEY_CTX_new_from_pkey")
+        return ctx
+
+
+class Sm2PrivateKey(Sm2PublicKey):
+    """An SM2 key pair inside libcrypto: it also signs and decrypts."""
+
+    __slots__ = ()
 
     def __getstate__(self) -> NoReturn:
         raise TypeError("SM2 private keys cannot be pickled")
@@ -187,40 +270,10 @@ class Sm2PrivateKey:
         "type-specific" for RFC 5915 ECPrivateKey) as an SM2 key; None if it is not one.
 
         A missing public key is derived from the scalar by libcrypto."""
-        crypto = lib()
-        out = ffi.new("EVP_PKEY **")
-        dctx = crypto.OSSL_DECODER_CTX_new_for_pkey(
-            out, b"DER", structure.encode("ascii"), b"SM2", _KEYPAIR, ffi.NULL, ffi.NULL
-        )
-        if dctx == ffi.NULL:
-            _fail("OSSL_DECODER_CTX_new_for_pkey")
-        try:
-            data = ffi.new("const unsigned char **", ffi.from_buffer(der))
-            remaining = ffi.new("size_t *", len(der))
-            decoded = crypto.OSSL_DECODER_from_data(dctx, data, remaining) == 1
-        finally:
-            crypto.OSSL_DECODER_CTX_free(dctx)
-        key = cls(out[0]) if out[0] != ffi.NULL else None  # owned (and freed) from here on
-        if (
-            not decoded
-            or key is None
-            or remaining[0] != 0  # trailing bytes
-            or crypto.EVP_PKEY_is_a(key._pkey, b"SM2") != 1
-            or key._group() != "SM2"
-        ):
-            crypto.ERR_clear_error()
-            return None
-        return key
+        key = cls._decode(der, structure, _KEYPAIR)
+        return key if isinstance(key, Sm2PrivateKey) else None
 
     # --- key data ---------------------------------------------------------------------------
-
-    def _group(self) -> str:
-        name = ffi.new("char[]", 64)
-        size = ffi.new("size_t *")
-        if lib().EVP_PKEY_get_utf8_string_param(self._pkey, b"group", name, 64, size) != 1:
-            lib().ERR_clear_error()
-            return ""
-        return _text(name)
 
     def check(self) -> bool:
         """Full validation: scalar range, public point on the curve, and that they match."""
@@ -249,16 +302,6 @@ class Sm2PrivateKey:
         finally:
             crypto.BN_clear_free(bn[0])
             crypto.OPENSSL_cleanse(out, _SCALAR)
-
-    def public_point(self) -> bytes:
-        """The uncompressed public point 04 || x || y."""
-        out = ffi.new("unsigned char[]", _POINT)
-        size = ffi.new("size_t *")
-        if lib().EVP_PKEY_get_octet_string_param(self._pkey, b"pub", out, _POINT, size) != 1:
-            _fail("EVP_PKEY_get_octet_string_param(pub)")
-        if size[0] != _POINT or out[0] != 4:
-            raise LibcryptoError("libcrypto: public point is not uncompressed")
-        return _bytes(out, _POINT)
 
     def public_key_der(self) -> bytes:
         """SubjectPublicKeyInfo DER (id-ecPublicKey with the SM2 curve OID)."""
@@ -291,28 +334,6 @@ class Sm2PrivateKey:
             return _bytes(signature, size[0])
         finally:
             crypto.EVP_PKEY_CTX_free(ctx)
-
-    def verify_digest(self, signature: bytes, digest: bytes) -> bool:
-        crypto = lib()
-        ctx = self._context()
-        try:
-            if crypto.EVP_PKEY_verify_init(ctx) != 1:
-                _fail("EVP_PKEY_verify_init")
-            valid = bool(
-                crypto.EVP_PKEY_verify(
-                    ctx,
-                    ffi.from_buffer(signature),
-                    len(signature),
-                    ffi.from_buffer(digest),
-                    len(digest),
-                )
-                == 1
-            )
-        finally:
-            crypto.EVP_PKEY_CTX_free(ctx)
-        if not valid:
-            crypto.ERR_clear_error()
-        return valid
 
     # --- encryption (GM/T 0009 DER ciphertext) ---------------------------------------------
 
@@ -358,9 +379,3 @@ class Sm2PrivateKey:
                 crypto.OPENSSL_cleanse(out, capacity)
         finally:
             crypto.EVP_PKEY_CTX_free(ctx)
-
-    def _context(self) -> Any:
-        ctx = lib().EVP_PKEY_CTX_new_from_pkey(ffi.NULL, self._pkey, ffi.NULL)
-        if ctx == ffi.NULL:
-            _fail("EVP_PKEY_CTX_new_from_pkey")
-        return ctx

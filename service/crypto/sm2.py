@@ -17,7 +17,7 @@ from typing import ClassVar, Final
 
 from service.crypto import _sm2_codec as codec
 from service.crypto import hybrid
-from service.crypto._libcrypto import LibcryptoError, Sm2PrivateKey, available
+from service.crypto._libcrypto import LibcryptoError, Sm2PrivateKey, Sm2PublicKey, available
 from service.crypto.aead import Sm4Gcm
 from service.crypto.base import (
     InvalidCiphertext,
@@ -34,11 +34,13 @@ __all__ = [
     "DEFAULT_SIGNER_ID",
     "SM2",
     "Sm2Key",
+    "Sm2Verifier",
     "available",
     "compute_z",
     "generate",
     "import_key",
     "load",
+    "load_public_pem",
     "message_digest",
 ]
 
@@ -185,6 +187,38 @@ class Sm2Key(KeyHandle):
 
 
 # --- material ---------------------------------------------------------------------------------
+
+
+class Sm2Verifier:
+    """An SM2 public key alone: verifies DER signatures over messages made with the default
+    signer ID (what :meth:`Sm2Key.sign` makes without options)."""
+
+    __slots__ = ("_key", "_z")
+
+    def __init__(self, key: Sm2PublicKey) -> None:
+        self._key = key
+        self._z = compute_z(key.public_point(), DEFAULT_SIGNER_ID)
+
+    def verify(self, signature: bytes, message: bytes) -> bool:
+        if len(signature) > _MAX_DER_SIGNATURE:
+            return False
+        return self._key.verify_digest(signature, sm3(self._z, message))
+
+
+def load_public_pem(text: str) -> Sm2Verifier | None:
+    """A ``PUBLIC KEY`` PEM (SubjectPublicKeyInfo) as an SM2 verifier; None if it is not an
+    SM2 public key."""
+    match = re.fullmatch(
+        r"\s*-----BEGIN PUBLIC KEY-----([A-Za-z0-9+/=\s]+)-----END PUBLIC KEY-----\s*", text
+    )
+    if match is None:
+        return None
+    try:
+        der = base64.b64decode("".join(match.group(1).split()), validate=True)
+    except binascii.Error:
+        return None
+    key = Sm2PublicKey.decode_public(der)
+    return None if key is None else Sm2Verifier(key)
 
 
 def _check_scalar(scalar: bytes) -> None:

@@ -19,7 +19,7 @@ class WrongMasterKey(Exception):
 
 
 class MasterKey:
-    __slots__ = ("_aead", "_backup", "_mac_key", "key_id")
+    __slots__ = ("_aead", "_backup", "_mac_key", "_successor", "key_id")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != 32:
@@ -29,6 +29,7 @@ class MasterKey:
         self.key_id = hmac.new(key, b"cryptd master key id", hashlib.sha256).hexdigest()[:16]
         self._mac_key = hmac.new(key, b"cryptd keyring mac", hashlib.sha256).digest()
         self._backup = AesGcm(hmac.new(key, b"cryptd key backup", hashlib.sha256).digest())
+        self._successor = AesGcm(hmac.new(key, b"cryptd master key wrap", hashlib.sha256).digest())
 
     def mac(self, data: bytes) -> bytes:
         """Authenticates the keyring's metadata (versions, min_decryption_version, ...)."""
@@ -46,6 +47,26 @@ class MasterKey:
         """Inverse of seal_backup; InvalidCiphertext if the body or the header was altered or
         sealed under another master key."""
         return self._backup.open(body, header)
+
+    def _between(self, other_id: str) -> bytes:
+        return b"cryptd-master-key-wrap/1\x00%s\x00%s" % (self.key_id.encode(), other_id.encode())
+
+    def wrap_master(self, key: bytes) -> bytes:
+        """Another master key wrapped under this one (the Shamir seal's hand-over of a rotated
+        key to processes still holding this one, or a retired key kept under its successor),
+        bound to both keys' ids."""
+        return self._successor.seal(key, self._between(MasterKey(key).key_id))
+
+    def unwrap_master(self, blob: bytes, key_id: str) -> bytes | None:
+        """Inverse of wrap_master for the key ``key_id``; None if the blob was altered or
+        wrapped under another key."""
+        try:
+            key = self._successor.open(blob, self._between(key_id))
+        except InvalidCiphertext:
+            return None
+        if len(key) != 32 or not hmac.compare_digest(MasterKey(key).key_id, key_id):
+            return None
+        return key
 
     @staticmethod
     def _context(name: str, version: int, type_name: str) -> bytes:

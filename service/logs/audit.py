@@ -88,9 +88,10 @@ class Audit:
         max_bytes: int = 0,
         on_failure: Any = None,
         secondary: Any = None,
+        signing_key_type: str = checkpoint.SIGNING_KEY_TYPE,
     ) -> Audit:
         """The audit trail in ``path`` (this worker's stream), its keys made on first use."""
-        manager.ensure_internal_key(checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE)
+        manager.ensure_internal_key(checkpoint.SIGNING_KEY, signing_key_type)
         audit = cls(
             None,
             fail_closed=fail_closed,
@@ -101,7 +102,7 @@ class Audit:
             path,
             index=index,
             format=audit.fields,
-            signer=keyring_signer(manager),
+            signer=keyring_signer(manager, signing_key_type),
             checkpoint_every=checkpoint_every,
             checkpoint_interval=checkpoint_interval,
             max_bytes=max_bytes,
@@ -234,12 +235,15 @@ def _sensitive(mac: redact.Mac, values: tuple[Any, ...]) -> dict[str, list[str]]
     return {name: redact.hashed_all(mac, found[name]) for name in SENSITIVE if name in found}
 
 
-def keyring_signer(manager: KeyManager) -> checkpoint.Signer:
-    """Checkpoints signed by the latest version of ``cryptd:audit-signing`` (Ed25519, made on
-    first use; internal keys are never exported, listed or used by a client)."""
+def keyring_signer(
+    manager: KeyManager, type_name: str = checkpoint.SIGNING_KEY_TYPE
+) -> checkpoint.Signer:
+    """Checkpoints signed by the latest version of ``cryptd:audit-signing`` (made on first use
+    as ``type_name``, Ed25519 or SM2; a key made earlier keeps its type; internal keys are
+    never exported, listed or used by a client)."""
 
     def sign(payload: bytes) -> tuple[int, bytes]:
-        key = manager.ensure_internal_key(checkpoint.SIGNING_KEY, checkpoint.SIGNING_KEY_TYPE)
+        key = manager.ensure_internal_key(checkpoint.SIGNING_KEY, type_name)
         version = key.version()
         return version.version, version.handle.sign(payload, prehashed=False, options=NO_OPTIONS)
 

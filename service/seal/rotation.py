@@ -1,8 +1,9 @@
 """Master-key rotation: a new master key where the seal keeps it, every key version rewrapped
 under it, online. ``static``: the file ``CRYPTD_MASTER_KEY_FILE`` names; ``pkcs11``: the sealed
 master key file, the new key sealed by the same token key (:class:`SealedKeyFiles`, the same
-steps with ``<sealed file>.next`` and ``<sealed file>.retired-<key id>``); ``transit``: the
-same, the new key wrapped by the Transit key's latest version.
+ steps with ``<sealed file>.next`` and ``<sealed file>.retired-<key id>``); ``transit``: the
+same, the new key wrapped by the Transit key's latest version; ``shamir``: a new split in the
+seal file (service/seal/shamir_rotation.py, the same steps).
 
 The order of writes makes a SIGKILL at any moment harmless:
 
@@ -32,7 +33,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from service.config import SealSettings, decode_master_key
 from service.errors import Conflict
@@ -45,6 +46,7 @@ from service.seal.base import Seal, SealError
 
 if TYPE_CHECKING:
     from service.seal.pkcs11 import Pkcs11Seal  # the binding is an optional extra
+    from service.seal.shamir_rotation import ShamirKeyFiles  # so is shamir-mnemonic
     from service.seal.transit import TransitSeal
 
 log = logging.getLogger("cryptd.seal")
@@ -208,7 +210,7 @@ class SealedKeyFiles:
             _fsync_directory(self.path.parent)
 
 
-KeyFiles = StaticKeyFiles | SealedKeyFiles
+KeyFiles: TypeAlias = "StaticKeyFiles | SealedKeyFiles | ShamirKeyFiles"
 
 
 def _encode(key: bytes) -> bytes:
@@ -221,6 +223,14 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _shamir_files(settings: SealSettings, seal: Seal | None) -> ShamirKeyFiles:
+    from service.seal.shamir_rotation import ShamirKeyFiles
+
+    # An unsealed seal gives this process's key; without one, only the spec is wanted.
+    known = seal.unseal() if seal is not None and seal.kind == "shamir" else None
+    return ShamirKeyFiles(settings.sealed_master_key_path(), known)
 
 
 def files_for(settings: SealSettings, seal: Seal | None = None) -> KeyFiles | None:
@@ -239,6 +249,8 @@ def files_for(settings: SealSettings, seal: Seal | None = None) -> KeyFiles | No
         if not isinstance(seal, TransitSeal):
             seal = TransitSeal.from_settings(settings)
         return SealedKeyFiles(seal)
+    if settings.seal == "shamir":
+        return _shamir_files(settings, seal)
     if settings.seal != "static" or settings.master_key is not None:
         return None
     if settings.master_key_file is None:
@@ -264,16 +276,23 @@ def files_spec(files: KeyFiles | None) -> tuple[str, ...] | None:
             str(seal.pin_file),
             str(seal.sealed_file),
         )
+    if files is not None:
+        return ("shamir", str(files.path))
     return None
 
 
-def files_from_spec(spec: tuple[str, ...] | None) -> KeyFiles | None:
+def files_from_spec(spec: tuple[str, ...] | None, master: bytes | None = None) -> KeyFiles | None:
+    """``master``: the key the process starts with (a Shamir hand-over is opened with it)."""
     if spec is None:
         return None
     if spec[0] == "transit":
         from service.seal.transit import TransitSeal
 
         return SealedKeyFiles(TransitSeal.from_spec(spec))
+    if spec[0] == "shamir":
+        from service.seal.shamir_rotation import ShamirKeyFiles
+
+        return ShamirKeyFiles(Path(spec[1]), master)
     if spec[0] == "pkcs11":
         from service.seal.pkcs11 import Pkcs11Seal
 
@@ -302,11 +321,16 @@ def settle(files: KeyFiles, store_key_id: str) -> str | None:
 def settle_store(settings: SealSettings, store: KeyStore, seal: Seal | None = None) -> str | None:
     """At a start: settle an interrupted rotation unless one is running now."""
     files = files_for(settings, seal)
-    if files is None or not files.staged.exists():
+    expired = getattr(files, "drop_expired_handover", None)
+    if files is None or not (files.staged.exists() or expired is not None):
         return None
     with store.try_lock(LOCK) as held:
         if not held:
             return None  # a rotation is running: it finishes its own work
+        if expired is not None:
+            expired()  # shamir: the old shares no longer lead to the current key
+            if not files.staged.exists():
+                return None
         raw = store.read()
         key_id = raw.get("master_key_id") if raw is not None else None
         if not isinstance(key_id, str):
@@ -360,10 +384,12 @@ def refuse_unless_file(settings: SealSettings, seal: Seal | None = None) -> KeyF
         files = files_for(settings, seal)
         assert files is not None
         return files
+    if settings.seal == "shamir":
+        return _shamir_files(settings, seal)
     if settings.seal != "static":
         raise SealError(
-            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static and "
-            "pkcs11 seals in this release (docs/DEPLOY.md, Rotating the master key)"
+            f"CRYPTD_SEAL={settings.seal}: master-key rotation is supported for the static, "
+            "pkcs11, transit and shamir seals (docs/DEPLOY.md, Rotating the master key)"
         )
     if settings.master_key is not None:
         raise SealError(
@@ -377,9 +403,15 @@ def refuse_unless_file(settings: SealSettings, seal: Seal | None = None) -> KeyF
     return static
 
 
-def rotate(settings: SealSettings, snapshot: Snapshot, seal: Seal | None = None) -> RotationReport:
-    """Rotate the master key of the store ``snapshot`` serves (see the module docstring)."""
-    files = refuse_unless_file(settings, seal)
+def rotate(
+    settings: SealSettings,
+    snapshot: Snapshot,
+    seal: Seal | None = None,
+    files: KeyFiles | None = None,
+) -> RotationReport:
+    """Rotate the master key of the store ``snapshot`` serves (see the module docstring);
+    ``files``: where the seal keeps keys, when the caller has them already."""
+    files = files or refuse_unless_file(settings, seal)
     started = time.monotonic()
     with snapshot.store.try_lock(LOCK) as held:
         if not held:

@@ -44,6 +44,7 @@ class Split:
     threshold: int
     shares: int
     key_id: str
+    retired: tuple[int, ...] = ()  # identifiers of splits a master-key rotation replaced
 
 
 def read_split(path: Path) -> Split:
@@ -60,7 +61,11 @@ def read_split(path: Path) -> Split:
         if raw["format"] != FORMAT:
             raise ValueError
         return Split(
-            int(raw["identifier"]), int(raw["threshold"]), int(raw["shares"]), str(raw["key_id"])
+            int(raw["identifier"]),
+            int(raw["threshold"]),
+            int(raw["shares"]),
+            str(raw["key_id"]),
+            tuple(int(entry["identifier"]) for entry in raw.get("retired", ())),
         )
     except (KeyError, TypeError, ValueError):
         raise SealError(f"{path} is not a Shamir seal ({FORMAT})") from None
@@ -79,9 +84,23 @@ def split(path: Path, shares: int, threshold: int, master: bytes | None = None) 
     if threshold == 1 and shares > 1:
         raise SealError("a threshold of 1 with several shares is not a split: use threshold >= 2")
     master = secrets.token_bytes(32) if master is None else master
-    mnemonics: list[str] = list(generate_mnemonics(1, [(threshold, shares)], master)[0])
-    identifier = Share.from_mnemonic(mnemonics[0]).identifier
-    document = {
+    mnemonics, document = new_split(shares, threshold, master)
+    write_document(path, document)
+    return mnemonics
+
+
+def new_split(
+    shares: int, threshold: int, master: bytes, avoid: frozenset[int] = frozenset()
+) -> tuple[list[str], dict[str, object]]:
+    """The mnemonics of a new split of ``master`` and its seal document (public facts only).
+    ``avoid``: identifiers of retired splits (15 random bits: a repeat is drawn again, so an
+    old share is never taken for a share of this split)."""
+    while True:
+        mnemonics: list[str] = list(generate_mnemonics(1, [(threshold, shares)], master)[0])
+        identifier = Share.from_mnemonic(mnemonics[0]).identifier
+        if identifier not in avoid:
+            break
+    document: dict[str, object] = {
         "format": FORMAT,
         "seal": "shamir",
         "identifier": identifier,
@@ -89,8 +108,11 @@ def split(path: Path, shares: int, threshold: int, master: bytes | None = None) 
         "shares": shares,
         "key_id": MasterKey(master).key_id,
     }
+    return mnemonics, document
+
+
+def write_document(path: Path, document: dict[str, object]) -> None:
     atomic_write(path, orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n", mode=0o644)
-    return mnemonics
 
 
 class ShamirSeal:
@@ -134,6 +156,11 @@ class ShamirSeal:
             raise ShareRefused(
                 "not a valid share (a word is wrong or missing, or it was altered)"
             ) from None
+        if share.identifier in self.split.retired:
+            raise ShareRefused(
+                "this share belongs to a split a master-key rotation retired: submit the "
+                "shares `cryptd operator rotate-master-key` printed"
+            )
         if share.identifier != self.split.identifier:
             raise ShareRefused("this share belongs to another split, not this deployment's")
         if share.group_count != 1 or share.member_threshold != self.split.threshold:

@@ -35,6 +35,13 @@ async def rotate_master_key(request: Request) -> Response:
         raise InvalidRequest("rotate-master-key takes no parameters (send {} or nothing)")
     services = deps.services(request)
     settings: SealSettings = request.app.state.seal_settings
+    if settings.seal == "shamir":
+        # New shares are printed once by the command, never carried in a response.
+        raise Conflict(
+            "CRYPTD_SEAL=shamir: rotate with `cryptd operator rotate-master-key`, which takes "
+            "the current shares and prints the new ones; the running service moves to the new "
+            "key as it sees the store change"
+        )
     try:
         refuse_unless_file(settings, request.app.state.seal)
     except SealError as exc:

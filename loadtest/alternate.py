@@ -1,0 +1,78 @@
+"""Same-run comparisons of cryptd configurations: several servers started side by side on the
+server CPUs of the pinned topology, wrk driving one scenario at each in turn, the order
+alternating round by round so drift on the machine hits all alike. A configuration's figure
+is the median over the rounds of its ratio to the reference's in the same round.
+
+Used by loadtest/audit_cost.py (audit off against fail-closed) and loadtest/seal_parity.py
+(static against pkcs11 and shamir); ``record`` writes the dated summary under docs/results/.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtest.measure import Measurement, run_wrk
+from loadtest.plan import Topology
+from loadtest.targets import Cryptd
+
+RECORDS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def per_core(measurement: Measurement, cores: int) -> float:
+    if measurement.errors:
+        raise RuntimeError(f"{measurement.errors} requests failed during a round")
+    return measurement.requests / measurement.seconds / cores
+
+
+def rounds(
+    servers: Sequence[Cryptd],
+    topology: Topology,
+    count: int,
+    *,
+    duration: float,
+    connections: int,
+    scenario: str = "aes-encrypt",
+) -> list[dict[str, Measurement]]:
+    """``count`` rounds of one measurement per server (started by the caller), in forward
+    then reverse order; each round's measurements by server name."""
+    if topology.pinned:
+        os.sched_setaffinity(0, topology.client)  # wrk, our child, inherits it
+    found: list[dict[str, Measurement]] = []
+    for number in range(count):
+        figures: dict[str, Measurement] = {}
+        for server in servers if number % 2 == 0 else list(reversed(servers)):
+            figures[server.name] = run_wrk(
+                "cryptd.lua",
+                server.url,
+                [scenario],
+                connections=connections,
+                duration=duration,
+                env={"CRYPTD_CREDENTIALS": str(server.credentials)},
+                server_pid=server.pid,
+            )
+        found.append(figures)
+        shown = ", ".join(
+            f"{name} {per_core(m, topology.server_cores):,.0f}/s" for name, m in figures.items()
+        )
+        print(f"round {number + 1}/{count}: {shown} per server core", file=sys.stderr)
+    return found
+
+
+def median_ratio(values: Sequence[float], reference: Sequence[float]) -> float:
+    return statistics.median(
+        v / r if r else float("nan") for v, r in zip(values, reference, strict=True)
+    )
+
+
+def record(kind: str, text: str, when: dt.datetime | None = None) -> Path:
+    """``text`` as docs/results/DATE-KIND.md (a later run the same day replaces it)."""
+    when = when or dt.datetime.now(dt.UTC)
+    path = RECORDS_DIR / f"{when:%Y-%m-%d}-{kind}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip() + "\n")
+    return path
