@@ -26,6 +26,10 @@ PQ_SIGNING: Final[tuple[tuple[str, str | None], ...]] = (
     ("ml-dsa-44", "mldsa-44"),
     ("ml-dsa-65", "mldsa-65"),
     ("ml-dsa-87", "mldsa-87"),
+    # Composite ML-DSA-65 + a classical signature: OpenBao has none.
+    ("ml-dsa-65-ecdsa-p256", None),
+    ("ml-dsa-65-ed25519", None),
+    ("ml-dsa-65-sm2", None),
 )
 # OpenBao 2.7's Transit has no ML-KEM or X-Wing key type: these run against cryptd only.
 PQ_KEMS: Final[tuple[str, ...]] = ("ml-kem-768", "ml-kem-1024", "x25519-ml-kem-768")

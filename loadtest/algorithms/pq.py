@@ -23,7 +23,18 @@ from service.crypto.registry import KEY_TYPES
 
 Op = Callable[[], object]
 
-SIGNING = ("ml-dsa-44", "ml-dsa-65", "ml-dsa-87", "rsa-2048", "ecdsa-p256", "ed25519", "sm2")
+SIGNING = (
+    "ml-dsa-44",
+    "ml-dsa-65",
+    "ml-dsa-87",
+    "ml-dsa-65-ecdsa-p256",
+    "ml-dsa-65-ed25519",
+    "ml-dsa-65-sm2",
+    "rsa-2048",
+    "ecdsa-p256",
+    "ed25519",
+    "sm2",
+)
 ENCRYPTING = ("ml-kem-768", "ml-kem-1024", "x25519-ml-kem-768", "rsa-2048", "sm2")
 SIGN_OPERATIONS = ("sign", "verify")
 ENCRYPT_OPERATIONS = ("encrypt", "decrypt", "encapsulate", "decapsulate")
