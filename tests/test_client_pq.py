@@ -25,6 +25,7 @@ from cryptd_client import (
     InvalidRequestError,
     SharedSecret,
 )
+from cryptd_client._crypto_endpoints import CryptoEndpoints
 from service.cli import main
 from tests.conftest import Server
 from tests.migrate_support import client, credential
@@ -166,3 +167,23 @@ def test_cli_encapsulate_and_decapsulate(
     with pytest.raises(SystemExit):
         main(["call", "encapsulate", name, "--data", "x", *cred])
     assert "does not take --data" in capsys.readouterr().err
+
+
+def test_batches_of_xwing_tokens_are_cut_under_the_body_limit(cryptd: CryptdClient) -> None:
+    """A thousand X-Wing tokens (about 1.6 KB each) would pass the service's 1 MiB body limit
+    in one request: the client cuts batches by size as well as by count."""
+    name = _name("cpq-big")
+    cryptd.create_key(name, "x25519-ml-kem-768")
+    plaintexts = [os.urandom(32) for _ in range(1000)]
+    made = cryptd.encrypt_batch(name, [{"plaintext": p, "aad": b"t"} for p in plaintexts])
+    tokens = [m.ciphertext for m in made if not isinstance(m, Exception)]
+    assert len(tokens) == 1000
+    items = [{"ciphertext": t, "aad": b"t"} for t in tokens]
+    plan = vars(CryptoEndpoints)["decrypt_batch"].build(cryptd, name, items)
+    first = next(plan)
+    assert 0 < len(first.payload["batch"]) < 1000
+    assert len(json.dumps(first.payload)) < 1024 * 1024
+    opened = cryptd.decrypt_batch(name, items)
+    assert [getattr(o, "plaintext", None) for o in opened] == plaintexts
+    rewrapped = cryptd.rewrap_batch(name, items)
+    assert all(not isinstance(r, Exception) for r in rewrapped)
