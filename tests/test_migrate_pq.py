@@ -22,8 +22,10 @@ from cryptd_client import CryptdClient
 from service.crypto.registry import KEY_TYPES
 from tests.conftest import Server
 from tests.migrate_support import (
+    Table,
     client,
     decrypts_to,
+    encrypt,
     migrate_command,
     new_key,
     run_migrate,
@@ -88,3 +90,32 @@ def test_rsa_oaep_to_xwing_sigkilled_and_resumed(server: Server, tmp_path: Path)
         assert not any(decrypts_to(cryptd, target, swapped[:50]))
         # The source key still opens what the table held before (nothing was changed in place).
         assert all(decrypts_to(cryptd, source, before[:50]))
+
+
+def test_a_column_too_narrow_for_xwing_tokens_stops_the_run_and_changes_nothing(
+    server: Server, pg_database: str, tmp_path: Path
+) -> None:
+    """An X-Wing token of a 32-byte value is 1,570 characters: a VARCHAR(512) column written
+    with RSA-2048 tokens (437) cannot hold it. The run stops (exit 3) without a row changed,
+    and after the column is widened the same command migrates every row."""
+    with client(server) as cryptd:
+        source, target = new_key(cryptd, "rsa-2048"), new_key(cryptd, "x25519-ml-kem-768")
+        plaintexts = [os.urandom(32) for _ in range(30)]
+        aads = [f"row-{i}".encode() for i in range(30)]
+        tokens = encrypt(cryptd, source, plaintexts, aads)
+        table = Table(pg_database)
+        rows = [(i + 1, tokens[i], plaintexts[i], aads[i]) for i in range(30)]
+        table.create(rows, tok_type="VARCHAR(512)")
+        checkpoint = tmp_path / "narrow.ckpt"
+        args = sql_args(table, source, target, "--checkpoint", str(checkpoint))
+        status, report, stderr = run_migrate(server, *args)
+        assert status == 3, stderr
+        assert report is not None
+        assert report["total"]["migrated"] == 0
+        assert table.rows() == rows
+        table.execute("ALTER TABLE t ALTER COLUMN tok TYPE TEXT")
+        status, report, stderr = run_migrate(server, *args)
+        assert status == 0, stderr
+        assert report is not None
+        assert report["total"]["migrated"] == 30
+        assert all(decrypts_to(cryptd, target, table.rows()))
