@@ -82,6 +82,7 @@ def test_every_operation_has_its_option_list() -> None:
         "rotate",
         "wrapping-key",
         "backup",
+        "encapsulate",
     }
 
 

@@ -77,6 +77,13 @@ DOCUMENTS: dict[str, Document] = {
             "3-disable",
             "3-delete",
             "3-cancel",
+            "pq-dev-table",
+            "pq-1-dual-stack",
+            "pq-1-migrate",
+            "pq-1-check",
+            "pq-1-kem",
+            "pq-2-dual-sign",
+            "pq-3-mldsa-only",
         )
     ),
     "docs/DEPLOY.md": Document(
@@ -452,6 +459,21 @@ def test_documented_block(block: Block, documents: dict[str, DocumentRun]) -> No
         assert "pass        2:" in report
         assert "migrated    1\n" in report
         assert "already_under_target 223" in report
+    if block.id == "docs/MIGRATION.md:pq-1-migrate":
+        # Every RSA-wrapped data key is now under X-Wing, a sample of them checked.
+        report = (run.logs / "pq-1-migrate.out").read_text()
+        assert "migrated    200\n" in report
+        assert "failed      0" in report
+    if block.id == "docs/MIGRATION.md:pq-2-dual-sign":
+        signed = (run.logs / "pq-2-dual-sign.out").read_text()
+        assert signed.count('"valid": true') == 2
+        assert "another context: not valid, as it should be" in signed
+    if block.id == "docs/MIGRATION.md:pq-3-mldsa-only":
+        lines = [
+            line.strip() for line in (run.logs / "pq-3-mldsa-only.out").read_text().splitlines()
+        ]
+        assert "refused, as it should be" in lines
+        assert "3309" in lines  # the ML-DSA-65 signature's bytes
     if block.id == "README.md:try-it":
         # Key material and backups go to a temporary directory, which the block removes.
         assert sorted(p.name for p in run.directory.iterdir()) == [".cryptd-dev"]

@@ -126,14 +126,18 @@ def test_curl_example_with_variables_and_ca_file(
 def test_go_example(tls_server: tuple[Server, str], tmp_path: Path) -> None:
     go = _tool("go")
     credential = str(_credential(tls_server[0]))
-    _run(tls_server, [go, "run", "."], EXAMPLES / "go", tmp_path, CRYPTD_CREDENTIAL=credential)
+    done = _run(
+        tls_server, [go, "run", "."], EXAMPLES / "go", tmp_path, CRYPTD_CREDENTIAL=credential
+    )
+    assert "kem: ok (1120-byte ciphertext)" in done.stdout  # X-Wing: 1,088 + 32 bytes
 
 
 def test_java_example(tls_server: tuple[Server, str], tmp_path: Path) -> None:
     java = _tool("java")
     credential = str(_credential(tls_server[0]))
     source = str(EXAMPLES / "java" / "CryptdExample.java")
-    _run(tls_server, [java, source], tmp_path, tmp_path, CRYPTD_CREDENTIAL=credential)
+    done = _run(tls_server, [java, source], tmp_path, tmp_path, CRYPTD_CREDENTIAL=credential)
+    assert "ml-dsa: ok (3309-byte signature)" in done.stdout  # FIPS 204 ML-DSA-65
 
 
 def test_java_example_over_http(server: Server, tmp_path: Path) -> None:

@@ -49,11 +49,13 @@ from cryptd_client.errors import (
 from cryptd_client.results import (
     DataKey,
     DecryptResult,
+    Encapsulation,
     EncryptResult,
     KeyMetadata,
     KeyUsage,
     KeyVersion,
     MacResult,
+    SharedSecret,
     SignResult,
 )
 from cryptd_client.signing import content_digest, sign_request
@@ -74,6 +76,7 @@ __all__ = [
     "DataKey",
     "DecryptResult",
     "DecryptionFailedError",
+    "Encapsulation",
     "EncryptResult",
     "ForbiddenError",
     "HeadersTooLargeError",
@@ -91,6 +94,7 @@ __all__ = [
     "OverloadedError",
     "PayloadTooLargeError",
     "RateLimitedError",
+    "SharedSecret",
     "SignResult",
     "UnauthenticatedError",
     "UnsupportedMediaTypeError",

@@ -1,32 +1,47 @@
 """The cryptographic operations of both clients, each written once: encrypt, decrypt, sign,
-verify, HMAC, random bytes, rewrap, data keys, and their batches (sent ``batch_size`` items
-at a time)."""
+verify, HMAC, random bytes, rewrap, data keys, KEM encapsulation, and their batches (sent
+``batch_size`` items at a time)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from cryptd_client._base import BaseClient, Plan
 from cryptd_client._methods import operation
 from cryptd_client._wire import (
+    _b64,
     _batch_parser,
     _body,
     _Call,
     _datakey_result,
     _decrypt_result,
+    _encapsulation,
     _encrypt_result,
     _item,
     _key_path,
     _mac_result,
+    _shared_secret,
     _sign_result,
     _unb64,
     _verify_result,
 )
 from cryptd_client.errors import CryptdAPIError
-from cryptd_client.results import DataKey, DecryptResult, EncryptResult, MacResult, SignResult
+from cryptd_client.results import (
+    DataKey,
+    DecryptResult,
+    Encapsulation,
+    EncryptResult,
+    MacResult,
+    SharedSecret,
+    SignResult,
+)
 
 T = TypeVar("T")
+# A batch request is also cut where its items reach this many bytes: under the service's
+# default 1 MiB body limit whatever the tokens' size (an X-Wing token is about 1.6 KB, so a
+# thousand of them would be refused with 413).
+MAX_BATCH_BYTES: Final = 768 * 1024
 
 
 def _exactly_one(message: bytes | None, digest: bytes | None) -> None:
@@ -71,17 +86,43 @@ def _batches(
     size: int,
 ) -> Plan[list[T | CryptdAPIError]]:
     results: list[T | CryptdAPIError] = []
-    for start in range(0, len(items), size):
-        body = {"batch": [_item(item) for item in items[start : start + size]]}
-        call = _Call("POST", _key_path(operation, key), body, _batch_parser(parse))
-        batch: list[T | CryptdAPIError] = yield call
-        results.extend(batch)
+    chunk: list[dict[str, Any]] = []
+    chunk_bytes = 0
+    for item in items:
+        wire = _item(item)
+        item_bytes = _wire_size(wire)
+        if chunk and (len(chunk) >= size or chunk_bytes + item_bytes > MAX_BATCH_BYTES):
+            batch: list[T | CryptdAPIError] = yield _batch_call(operation, key, chunk, parse)
+            results.extend(batch)
+            chunk, chunk_bytes = [], 0
+        chunk.append(wire)
+        chunk_bytes += item_bytes
+    if chunk:
+        results.extend((yield _batch_call(operation, key, chunk, parse)))
     return results
+
+
+def _batch_call(
+    operation: str, key: str, chunk: list[dict[str, Any]], parse: Callable[[Mapping[str, Any]], T]
+) -> _Call[list[T | CryptdAPIError]]:
+    return _Call("POST", _key_path(operation, key), {"batch": chunk}, _batch_parser(parse))
+
+
+def _wire_size(item: Mapping[str, Any]) -> int:
+    """About the JSON size of one wire item (its values are str, int or bool)."""
+    return sum(len(name) + len(str(value)) + 8 for name, value in item.items())
 
 
 def _as_items(field: str, items: Sequence[Any]) -> list[Mapping[str, Any]]:
     """Batch items given bare (a plaintext, a ciphertext, a message) as ``{field: item}``."""
     return [item if isinstance(item, Mapping) else {field: item} for item in items]
+
+
+def _ciphertext_text(ciphertext: Any) -> str:
+    """A KEM ciphertext is raw bytes, sent as base64 (a token's ``str`` is not one)."""
+    if not isinstance(ciphertext, bytes | bytearray | memoryview):
+        raise TypeError(f"a KEM ciphertext is bytes, not {type(ciphertext).__name__}")
+    return _b64(ciphertext)
 
 
 def _datakey_item_result(data: Mapping[str, Any]) -> DataKey | EncryptResult:
@@ -228,6 +269,22 @@ class CryptoEndpoints(BaseClient):
         return _Call("POST", _key_path("datakey", key), body, _encrypt_result)
 
     @operation
+    def encapsulate(self, key: str) -> _Call[Encapsulation]:
+        """A fresh shared secret and its KEM ciphertext under a KEM key's latest version
+        (ml-kem-768, ml-kem-1024, x25519-ml-kem-768)."""
+        return _Call("POST", _key_path("encapsulate", key), {}, _encapsulation)
+
+    @operation
+    def decapsulate(
+        self, key: str, ciphertext: bytes, *, key_version: int | None = None
+    ) -> _Call[SharedSecret]:
+        """The shared secret of a KEM ciphertext (raw bytes, as ``encapsulate`` gave them).
+        ML-KEM rejects implicitly: a ciphertext for another key gives another secret, not an
+        error; a ciphertext of the wrong length is 400 ``invalid_request``."""
+        body = _body(ciphertext=_ciphertext_text(ciphertext), key_version=key_version)
+        return _Call("POST", _key_path("decapsulate", key), body, _shared_secret)
+
+    @operation
     def encrypt_batch(
         self, key: str, items: Sequence[bytes | Mapping[str, Any]]
     ) -> Plan[list[EncryptResult | CryptdAPIError]]:
@@ -275,6 +332,24 @@ class CryptoEndpoints(BaseClient):
         """Items are messages or ``{"message", "key_version"?, "context"?}`` mappings."""
         mappings = _as_items("message", items)
         return _batches("hmac", key, mappings, _mac_result, self.batch_size)
+
+    @operation
+    def encapsulate_batch(self, key: str, count: int) -> Plan[list[Encapsulation | CryptdAPIError]]:
+        """``count`` encapsulations in batch requests."""
+        return _batches("encapsulate", key, [{}] * count, _encapsulation, self.batch_size)
+
+    @operation
+    def decapsulate_batch(
+        self, key: str, items: Sequence[bytes | Mapping[str, Any]]
+    ) -> Plan[list[SharedSecret | CryptdAPIError]]:
+        """Items are KEM ciphertexts (bytes) or ``{"ciphertext", "key_version"?}`` mappings."""
+        mappings = [
+            {**i, "ciphertext": _ciphertext_text(i["ciphertext"])}
+            if isinstance(i, Mapping)
+            else {"ciphertext": _ciphertext_text(i)}
+            for i in items
+        ]
+        return _batches("decapsulate", key, mappings, _shared_secret, self.batch_size)
 
     @operation
     def datakey_batch(

@@ -14,8 +14,10 @@ from cryptd_client.errors import CryptdAPIError, api_error
 from cryptd_client.results import (
     DataKey,
     DecryptResult,
+    Encapsulation,
     EncryptResult,
     MacResult,
+    SharedSecret,
     SignResult,
 )
 
@@ -149,6 +151,20 @@ def _datakey_result(data: Mapping[str, Any]) -> DataKey:
         plaintext=_unb64(data["plaintext"]),
         ciphertext=data["ciphertext"],
         key_version=int(data["key_version"]),
+    )
+
+
+def _encapsulation(data: Mapping[str, Any]) -> Encapsulation:
+    return Encapsulation(
+        ciphertext=_unb64(data["ciphertext"]),
+        shared_secret=_unb64(data["shared_secret"]),
+        key_version=int(data["key_version"]),
+    )
+
+
+def _shared_secret(data: Mapping[str, Any]) -> SharedSecret:
+    return SharedSecret(
+        shared_secret=_unb64(data["shared_secret"]), key_version=int(data["key_version"])
     )
 
 

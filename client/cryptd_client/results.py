@@ -39,6 +39,22 @@ class DataKey:
 
 
 @dataclass(frozen=True, slots=True)
+class Encapsulation:
+    """A KEM encapsulation (ML-KEM, X-Wing): the ciphertext to send to the key's owner and
+    the shared secret it yields (``decapsulate`` gives the owner the same secret)."""
+
+    ciphertext: bytes
+    shared_secret: bytes = field(repr=False)
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSecret:
+    shared_secret: bytes = field(repr=False)
+    key_version: int
+
+
+@dataclass(frozen=True, slots=True)
 class KeyUsage:
     """A version's usage (``get_key``): successful operations by kind (``encrypt``,
     ``decrypt``, ``sign``, ``verify``, ``hmac``, ``datakey``, ``rewrap_from``, ``rewrap_to``),

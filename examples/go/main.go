@@ -291,6 +291,27 @@ func run() error {
 		return fmt.Errorf("verify: not valid")
 	}
 	fmt.Println("verify: ok")
+
+	// Post-quantum key exchange: X-Wing (ML-KEM-768 + X25519) gives a shared secret and the
+	// ciphertext that carries it; the key's holder recovers the same secret from it.
+	kemKey := url.PathEscape(env("CRYPTD_KEM_KEY", "x25519-ml-kem-768"))
+	var encapsulated struct {
+		Ciphertext   []byte `json:"ciphertext"`
+		SharedSecret []byte `json:"shared_secret"`
+	}
+	if err := client.Call("POST", "/v1/encapsulate/"+kemKey, map[string]any{}, &encapsulated); err != nil {
+		return err
+	}
+	var decapsulated struct {
+		SharedSecret []byte `json:"shared_secret"`
+	}
+	if err := client.Call("POST", "/v1/decapsulate/"+kemKey, map[string]any{"ciphertext": encapsulated.Ciphertext}, &decapsulated); err != nil {
+		return err
+	}
+	if len(encapsulated.SharedSecret) != 32 || !bytes.Equal(decapsulated.SharedSecret, encapsulated.SharedSecret) {
+		return fmt.Errorf("kem: the shared secrets differ")
+	}
+	fmt.Printf("kem: ok (%d-byte ciphertext)\n", len(encapsulated.Ciphertext))
 	return nil
 }
 

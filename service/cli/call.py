@@ -20,7 +20,18 @@ from cryptd_client import CryptdAPIError, CryptdClient, CryptdConnectionError, K
 from service.cli.keys import read_material, settings_from_args
 from service.crypto.registry import KEY_TYPES
 
-OPERATIONS = ("encrypt", "decrypt", "sign", "verify", "rewrap", "datakey", "hmac", "random")
+OPERATIONS = (
+    "encrypt",
+    "decrypt",
+    "sign",
+    "verify",
+    "rewrap",
+    "datakey",
+    "hmac",
+    "encapsulate",
+    "decapsulate",
+    "random",
+)
 KEY_COMMANDS = (
     "keys",
     "key",
@@ -64,6 +75,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "rewrap": (*_INPUT, "aad", "context", "to_key"),
     "datakey": ("bits", "no_plaintext", "aad", "context"),
     "hmac": (*_INPUT, "key_version", "context"),
+    "decapsulate": ("ciphertext", "key_version"),
     "random": ("bytes",),
     "create": _NEW_KEY,
     "update": (
@@ -150,6 +162,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--signer-id", help="sign/verify: SM2 signer ID")
     parser.add_argument("--encoding", help="sign/verify: der | raw (ECDSA, SM2)")
     parser.add_argument("--to-key", help="rewrap: re-encrypt under this key")
+    parser.add_argument(
+        "--ciphertext", help="decapsulate: the KEM ciphertext, base64 (as encapsulate prints it)"
+    )
     parser.add_argument("--bits", type=int, help="datakey: 128 or 256 (default: 256)")
     parser.add_argument(
         "--no-plaintext", action="store_true", help="datakey: return the wrapped key only"
@@ -342,6 +357,20 @@ def _execute(client: CryptdClient, args: argparse.Namespace) -> tuple[Any, int]:
     if op == "hmac":
         mac = client.hmac(key, data, key_version=args.key_version, context=context)
         return {"mac": mac.mac, "key_version": mac.key_version}, 0
+    if op == "encapsulate":
+        made = client.encapsulate(key)
+        secret = _b64(made.shared_secret)
+        result = {"ciphertext": _b64(made.ciphertext), "shared_secret": secret}
+        return {**result, "key_version": made.key_version}, 0
+    if op == "decapsulate":
+        if not args.ciphertext:
+            raise ValueError("decapsulate needs --ciphertext (base64)")
+        try:
+            kem_ciphertext = base64.b64decode(args.ciphertext, validate=True)
+        except binascii.Error:
+            raise ValueError("--ciphertext is not valid base64") from None
+        opened = client.decapsulate(key, kem_ciphertext, key_version=args.key_version)
+        return {"shared_secret": _b64(opened.shared_secret), "key_version": opened.key_version}, 0
     if op == "random":
         size = 32 if args.bytes is None else args.bytes
         return {"random": _b64(client.random(size))}, 0

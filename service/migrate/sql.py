@@ -296,6 +296,12 @@ class SqlSource:
             written([], None)
             return
         conn = self._conn
+        # The writers use the driver's cursor, so its errors (a value too long for the column)
+        # arrive unwrapped by SQLAlchemy: they stop the run as SQLAlchemy's do.
+        driver_error = getattr(conn.dialect.dbapi, "Error", None)
+        failures: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
+        if isinstance(driver_error, type) and issubclass(driver_error, BaseException):
+            failures = (sa.exc.SQLAlchemyError, driver_error)
         try:
             # The writers use the driver's cursor, which SQLAlchemy does not see: begin here so
             # that commit() below commits (it is a no-op without a transaction it began).
@@ -311,7 +317,7 @@ class SqlSource:
             )
             written(conflicts, witness)
             conn.commit()
-        except sa.exc.SQLAlchemyError as exc:
+        except failures as exc:
             _rollback(conn)
             raise RunStopped(f"writing to {self._table_name!r} failed: {_brief(exc)}") from None
         except BaseException:

@@ -75,9 +75,13 @@ class SqliteWriter:
 class _PostgresBase:
     def __init__(self, conn: Connection, table: sa.TableClause, id_column: str, column: str):
         self.t, self.ident, self.col = _quoted(conn, table, id_column, column)
+        # The types without their modifier (varchar, not varchar(512)): an explicit cast to
+        # varchar(n) cuts a longer value silently, whereas the assignment to the column
+        # refuses it, so a token too long for the column stops the run instead of being
+        # stored cut (an X-Wing token is 1,570 characters where RSA-2048's was 437).
         types: dict[str, str] = dict(
             conn.exec_driver_sql(
-                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+                "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute"
                 " WHERE attrelid = CAST(%(t)s AS regclass) AND attnum > 0"
                 " AND NOT attisdropped AND attname = ANY(%(names)s)",
                 {"t": self.t, "names": [id_column, column]},
