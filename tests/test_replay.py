@@ -27,6 +27,7 @@ from service.auth.replay import (
     RedisReplayStore,
     StoreRecovering,
     StoreUnavailable,
+    TooOld,
 )
 from service.auth.signature import sign_request
 from tests.conftest import start_server, stop_server
@@ -93,9 +94,36 @@ async def test_redis_store_is_atomic_and_expires() -> None:
         assert await store.remember("app", nonce, _now(), 5)
         assert not await store.remember("app", nonce, _now(), 5)
         assert await store.remember("other", nonce, _now(), 5)
+        # Kept until Redis's own clock would refuse the request (max age 300 s), however
+        # short a TTL the replica asked for.
         ttl = await client.ttl(f"{store._prefix}app:{nonce}")
-        assert 0 < ttl <= 5
+        assert 295 < ttl <= 301
         assert await store.ping()
+    finally:
+        await store.aclose()
+        await close(client)
+
+
+async def test_replicas_whose_clocks_disagree_accept_no_replay() -> None:
+    """The nonce's life and the age check run on Redis's clock: a replica 10 s ahead asks
+    for a TTL 10 s too short, and a replica 10 s behind would accept a request for 10 s after
+    the others refuse it; neither lets a replay through."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL)
+    store = RedisReplayStore(client, prefix=await _fresh_prefix(client), max_age=20)
+    try:
+        redis_now = int((await client.time())[0])
+        # Accepted by a replica whose clock is 10 s ahead: it asks for created + 20 - (now + 10).
+        nonce = uuid.uuid4().hex
+        assert await store.remember("app", nonce, redis_now, 20 - 10)
+        ttl = await client.ttl(f"{store._prefix}app:{nonce}")
+        assert ttl > 20 - 10  # kept as long as Redis's clock lets the request pass
+        # A request 25 s old by Redis's clock, that a replica 10 s behind still finds young
+        # enough (15 s < 20 s): refused as stale, never stored.
+        old = uuid.uuid4().hex
+        with pytest.raises(TooOld):
+            await store.remember("app", old, redis_now - 25, 1)
+        assert await client.exists(f"{store._prefix}app:{old}") == 0
     finally:
         await store.aclose()
         await close(client)
