@@ -4,9 +4,9 @@
 ``nonces``: nonce checks per second against one Redis (one shard) through
 :class:`service.auth.replay.RedisReplayStore`, the Lua script and coalescer the servers run.
 ``--processes`` processes stand for server workers (each its own event loop, client and
-coalescer) and keep ``--concurrency`` checks in flight each, for ``--duration`` seconds; then
-once more with one check in flight (no batching: a lightly loaded worker). Reported: checks/s,
-the mean batch, and Redis's own CPU per check (``INFO cpu`` before and after), whence the
+coalescer) and keep N checks in flight each for ``--duration`` seconds, once for each N of
+``--in-flight`` (1: no batching, a lightly loaded worker). Reported: checks/s, the mean batch
+(one script call each), and Redis's own CPU per check (``INFO cpu`` before and after), whence the
 checks/s one Redis core sustains: Redis runs scripts on one thread, so that is the shard's
 ceiling whatever the clients do. A private ``redis-server`` is started unless ``--redis-url``
 names one (its keys are under a prefix of the run's own, seeded with epoch 0, and expire).
@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", nargs="?", choices=("nonces", "keystore", "all"), default="all")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--processes", type=int, default=2, help="checking processes (nonces)")
-    parser.add_argument("--concurrency", type=int, default=64, help="checks in flight each")
+    parser.add_argument(
+        "--in-flight", default="1,8,64", help="checks in flight per process, one run each"
+    )
     parser.add_argument("--redis-url", help="a Redis to measure (default: a private one)")
     parser.add_argument("--writers", type=int, default=4, help="writing threads (keystore)")
     parser.add_argument("--keys", type=int, default=100, help="keys in the keyring (keystore)")
@@ -247,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("nonces", "all"):
         with _redis(args.redis_url) as url:
             runs = [
-                measure_nonces(url, args.processes, args.concurrency, args.duration),
-                measure_nonces(url, 1, 1, args.duration),
+                measure_nonces(url, args.processes, int(count), args.duration)
+                for count in args.in_flight.split(",")
             ]
         print()
         print(
