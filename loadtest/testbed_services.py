@@ -391,6 +391,10 @@ def haproxy_start(bed: Bed) -> None:
         f"  bind {bed.node('lb').address}:{CRYPTD_PORT}\n"
         "  default_backend hosts\n"
         "backend hosts\n"
+        # With every host out (a Redis failover's refusal window makes all /readyz fail at
+        # once), HAProxy answers itself: a 503 with Retry-After, as cryptd's own 503s carry.
+        "  http-error status 503 content-type application/json hdr retry-after 1 string "
+        '\'{"error":{"code":"unavailable","message":"no cryptd host is ready"}}\'\n'
         "  balance roundrobin\n"
         "  option httpchk GET /readyz\n"
         "  http-check expect status 200\n"

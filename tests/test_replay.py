@@ -19,6 +19,8 @@ import pytest
 import redis
 from redis.asyncio import Redis
 
+from service.auth.authenticator import Authenticator
+from service.auth.clients import ClientsFile
 from service.auth.coalesce import Coalescer
 from service.auth.redis_client import close, connect
 from service.auth.replay import (
@@ -27,8 +29,9 @@ from service.auth.replay import (
     RedisReplayStore,
     StoreRecovering,
     StoreUnavailable,
+    TooOld,
 )
-from service.auth.signature import sign_request
+from service.auth.signature import AuthError, sign_request
 from tests.conftest import start_server, stop_server
 from tests.test_auth_support import (
     SHARED_REDIS_URL,
@@ -93,9 +96,36 @@ async def test_redis_store_is_atomic_and_expires() -> None:
         assert await store.remember("app", nonce, _now(), 5)
         assert not await store.remember("app", nonce, _now(), 5)
         assert await store.remember("other", nonce, _now(), 5)
+        # Kept until Redis's own clock would refuse the request (max age 300 s), however
+        # short a TTL the replica asked for.
         ttl = await client.ttl(f"{store._prefix}app:{nonce}")
-        assert 0 < ttl <= 5
+        assert 295 < ttl <= 301
         assert await store.ping()
+    finally:
+        await store.aclose()
+        await close(client)
+
+
+async def test_replicas_whose_clocks_disagree_accept_no_replay() -> None:
+    """The nonce's life and the age check run on Redis's clock: a replica 10 s ahead asks
+    for a TTL 10 s too short, and a replica 10 s behind would accept a request for 10 s after
+    the others refuse it; neither lets a replay through."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL)
+    store = RedisReplayStore(client, prefix=await _fresh_prefix(client), max_age=20)
+    try:
+        redis_now = int((await client.time())[0])
+        # Accepted by a replica whose clock is 10 s ahead: it asks for created + 20 - (now + 10).
+        nonce = uuid.uuid4().hex
+        assert await store.remember("app", nonce, redis_now, 20 - 10)
+        ttl = await client.ttl(f"{store._prefix}app:{nonce}")
+        assert ttl > 20 - 10  # kept as long as Redis's clock lets the request pass
+        # A request 25 s old by Redis's clock, that a replica 10 s behind still finds young
+        # enough (15 s < 20 s): refused as stale, never stored.
+        old = uuid.uuid4().hex
+        with pytest.raises(TooOld):
+            await store.remember("app", old, redis_now - 25, 1)
+        assert await client.exists(f"{store._prefix}app:{old}") == 0
     finally:
         await store.aclose()
         await close(client)
@@ -397,3 +427,38 @@ def test_shared_redis_is_left_running() -> None:
     require_redis()
     with redis.Redis.from_url(SHARED_REDIS_URL) as client:
         assert client.ping()
+
+
+async def test_a_replica_whose_clock_is_behind_refuses_what_redis_calls_too_old(
+    tmp_path: Path,
+) -> None:
+    """The authenticator of a host 10 s behind Redis: a request 25 s old by Redis's clock
+    passes its own age check (15 s < 20 s) and is refused 401 ``stale`` by the store."""
+    require_redis()
+    secrets = standard_clients(tmp_path / "clients.json")
+    client = connect(SHARED_REDIS_URL)
+    store = RedisReplayStore(client, prefix=await _fresh_prefix(client), max_age=20)
+    redis_now = int((await client.time())[0])
+    behind = Authenticator(
+        registry_provider=ClientsFile(tmp_path / "clients.json"),
+        replay=store,
+        rate_limiter=None,
+        max_age=20,
+        fail_open=False,
+        clock=lambda: float(redis_now - 10),
+    )
+    try:
+        secret = base64.b64decode(secrets["app"])
+        scope = {"method": "GET", "path": "/v1/keys", "query_string": b"", "state": {}}
+        old = sign_request("GET", "/v1/keys", "", b"", "app", secret, created=redis_now - 25)
+        with pytest.raises(AuthError) as refused:
+            await behind.authenticate(scope, {k.lower(): v for k, v in old.items()}, b"")
+        assert refused.value.reason == "stale"
+        young = sign_request("GET", "/v1/keys", "", b"", "app", secret, created=redis_now - 12)
+        client_seen = await behind.authenticate(
+            dict(scope, state={}), {k.lower(): v for k, v in young.items()}, b""
+        )
+        assert client_seen.client_id == "app"
+    finally:
+        await store.aclose()
+        await close(client)

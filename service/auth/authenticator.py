@@ -32,7 +32,7 @@ from service.auth.certs import peer_identities
 from service.auth.clients import Client, ClientRegistry
 from service.auth.policy import set_client
 from service.auth.ratelimit import RateLimiter
-from service.auth.replay import ReplayStore, StoreRecovering, StoreUnavailable
+from service.auth.replay import ReplayStore, StoreRecovering, StoreUnavailable, TooOld
 from service.auth.signature import DEFAULT_MAX_SKEW, SIGNATURE_HEADERS, AuthError, verify_request
 from service.errors import Overloaded, RateLimited, Unauthenticated, UnsupportedMediaType
 
@@ -183,6 +183,8 @@ class Authenticator:
     async def _remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
         try:
             first = await self.replay.remember(keyid, nonce, created, ttl)
+        except TooOld:  # by the shared store's clock: this replica's clock is behind
+            raise AuthError("stale") from None
         except StoreRecovering:  # never fail-open: the window is short and exactly the risk
             if not self._recovering_logged:
                 self._recovering_logged = True

@@ -31,7 +31,7 @@ from redis.exceptions import NoScriptError
 
 from service.auth.coalesce import Coalescer
 from service.auth.redis_client import REDIS_ERRORS, RedisClient, sender
-from service.auth.signature import DEFAULT_MAX_SKEW
+from service.auth.signature import DEFAULT_MAX_AGE, DEFAULT_MAX_SKEW
 
 KEY_PREFIX: Final = "cryptd:nonce:"
 DEFAULT_MAX_ENTRIES: Final = 1_000_000
@@ -39,6 +39,12 @@ DEFAULT_MAX_ENTRIES: Final = 1_000_000
 
 class StoreUnavailable(Exception):
     """The store cannot answer (Redis down or too slow, store full)."""
+
+
+class TooOld(Exception):
+    """The shared store's clock says the request is older than the maximum age, whatever the
+    replica's own clock said (401 stale: a replica whose clock is behind must not accept what
+    the others already refuse, as the nonce may be gone)."""
 
 
 class StoreRecovering(StoreUnavailable):
@@ -162,13 +168,20 @@ local identity = run .. ':' .. replid
 local replicas = tonumber(string.match(replication, 'connected_slaves:(%d+)')) or 0
 """
 # KEYS[1]: the epoch key; KEYS[2]: the identity of the Redis that set it; KEYS[3..]: nonce
-# keys. ARGV[1]: the maximum skew (s); then, per nonce key, its TTL and its request's created
-# time. Returns {seconds until the refusal window ends (<= 0: over), connected replicas, then
-# per nonce: 1 the first time, 0 for a replay, -n for a request created n seconds before
-# epoch + skew (refused)}. The epoch is Redis's clock, rounded up, taken again whenever the
-# Redis answering is not the one that set it: a restart (even one that reloaded a snapshot
+# keys. ARGV[1]: the maximum skew (s); ARGV[2]: the maximum age (s); then, per nonce key, its
+# TTL and its request's created time. Returns {seconds until the refusal window ends (<= 0:
+# over), connected replicas, then per nonce: 1 the first time, 0 for a replay, 2 for a request
+# older than the maximum age by Redis's clock (refused), -n for a request created n seconds
+# before epoch + skew (refused)}. The epoch is Redis's clock, rounded up, taken again whenever
+# the Redis answering is not the one that set it: a restart (even one that reloaded a snapshot
 # with the epoch in it) or a promoted replica (which may lack the last nonces its old primary
 # accepted) refuses what was signed before, as a store with no epoch at all does.
+#
+# The age is checked again here, on the one clock every replica shares, and a nonce is kept
+# until that clock would refuse its request (or for the TTL the replica asked, if longer):
+# replicas whose clocks disagree cannot accept a replay. Otherwise a replica whose clock is
+# ahead stores a nonce for too short a time, and one whose clock is behind still accepts the
+# request after the nonce has expired (measured on the test bed with a host 10 s behind).
 _SET_MANY_SCRIPT: Final = (
     _IDENTITY_LUA
     + """
@@ -182,12 +195,16 @@ if epoch == nil or redis.call('GET', KEYS[2]) ~= identity then
   redis.call('SET', KEYS[2], identity)
 end
 local floor = epoch + tonumber(ARGV[1])
+local max_age = tonumber(ARGV[2])
 local out = {floor - now, replicas}
 for i = 3, #KEYS do
-  local created = tonumber(ARGV[2 * i - 3])
+  local created = tonumber(ARGV[2 * i - 2])
+  local ttl = math.max(tonumber(ARGV[2 * i - 3]), created + max_age + 1 - now)
   if created < floor then
     out[i] = created - floor
-  elseif redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2 * i - 4]) then
+  elseif created + max_age < now then
+    out[i] = 2
+  elseif redis.call('SET', KEYS[i], '1', 'NX', 'EX', ttl) then
     out[i] = 1
   else
     out[i] = 0
@@ -256,9 +273,11 @@ class RedisReplayStore:
         *,
         prefix: str = KEY_PREFIX,
         max_skew: int = DEFAULT_MAX_SKEW,
+        max_age: int = DEFAULT_MAX_AGE,
         sentinel: bool | None = None,
     ) -> None:
         self._redis = client
+        self._max_age = max_age
         self._connection = sender(client)
         self._prefix = prefix
         self._cluster = isinstance(client, RedisCluster)
@@ -292,6 +311,8 @@ class RedisReplayStore:
             raise StoreUnavailable(type(verdict).__name__) from verdict
         if verdict < 0:
             raise StoreRecovering(-verdict)
+        if verdict == 2:
+            raise TooOld()
         return bool(verdict)
 
     def _tag_of(self, key: str) -> str:
@@ -324,7 +345,11 @@ class RedisReplayStore:
         for batch, tag in zip(batches, tags, strict=True):
             base = self._base(tag)
             keys = [f"{base}epoch", f"{base}primary", *(key for key, _, _ in batch)]
-            args = [self._max_skew, *(v for _, ttl, created in batch for v in (ttl, created))]
+            args = [
+                self._max_skew,
+                self._max_age,
+                *(v for _, ttl, created in batch for v in (ttl, created)),
+            ]
             commands.append((len(keys), *keys, *args))
         replies = await self._connection.pipeline(
             [("EVALSHA", _SET_MANY_SHA, *command) for command in commands]

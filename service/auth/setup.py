@@ -104,7 +104,7 @@ def check_redis_url(url: str) -> None:
 def replay_store(settings: Settings, redis: RedisClient | None) -> ReplayStore:
     skew = settings.signature_max_skew
     if redis is not None:
-        return RedisReplayStore(redis, max_skew=skew)
+        return RedisReplayStore(redis, max_skew=skew, max_age=settings.signature_max_age)
     if settings.replay_dir is not None:
         return HostReplayStore(
             settings.replay_dir,

@@ -33,7 +33,10 @@ class KeyLabels:
         found = self._known.get(name)
         if found is None:
             with self._lock:
-                found = self._known[name] = self._decide(name)
+                try:
+                    found = self._known[name] = self._decide(name)
+                except OSError:  # the shared file cannot grow (a full disk): asked again later
+                    return False
         return found
 
     def _decide(self, name: str) -> bool:

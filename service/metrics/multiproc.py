@@ -29,6 +29,7 @@ from pathlib import Path
 from prometheus_client import values
 from prometheus_client.multiprocess import mark_process_dead
 
+from service.metrics import mmapfile
 from service.metrics.window import SlidingWindow
 
 log = logging.getLogger("cryptd.metrics")
@@ -38,6 +39,7 @@ ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 _METRIC_FILE = re.compile(r"(counter|histogram|summary|gauge_[a-z]+)_\d+\.db\Z")
 _WINDOW_FILE = re.compile(r"window_(\d+)\.json\Z")
 _WINDOW_TEMP = re.compile(r"\.window_\d+\.tmp\Z")
+_METRIC_TEMP = re.compile(r"\.(counter|histogram|summary|gauge_[a-z]+)_\d+\.db\.new\Z")  # mmapfile
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db\Z")
 _PROCESS_MARKER = re.compile(r"process_\d+\Z")  # service/metrics/process.py
 KEY_LABELS_FILE = "key_labels.txt"  # service/metrics/labels.py: this run's labelled keys
@@ -59,6 +61,7 @@ def init_multiprocess_dir(path: Path) -> None:
             _METRIC_FILE.match(name)
             or _WINDOW_FILE.match(name)
             or _WINDOW_TEMP.match(name)
+            or _METRIC_TEMP.match(name)
             or name == KEY_LABELS_FILE
             or _PROCESS_MARKER.match(name)
         ):
@@ -124,6 +127,7 @@ def activate(path: Path) -> None:
         if not resolved.is_dir():
             raise ValueError(f"metrics directory {path} does not exist")
         os.environ[ENV_VAR] = str(resolved)
+        mmapfile.install()  # before the first file is opened: a full disk is no SIGBUS
         if not getattr(values.ValueClass, "_cryptd_cached_pid", False):
             value_class = values.MultiProcessValue(cached_pid)  # type: ignore[no-untyped-call]
             value_class._cryptd_cached_pid = True
@@ -184,6 +188,7 @@ class WindowPublisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_lock = threading.Lock()
+        self._failing = False
         self.started = False
 
     def start(self) -> None:
@@ -214,7 +219,11 @@ class WindowPublisher:
         try:
             self.publish()
         except OSError as exc:  # a full disk must not kill the thread: retried next interval
-            log.warning("could not publish the latency window: %s", type(exc).__name__)
+            if not self._failing:  # once per episode, not every interval
+                log.warning("could not publish the latency window: %s", type(exc).__name__)
+            self._failing = True
+        else:
+            self._failing = False
 
     def publish(self) -> None:
         with self._write_lock:
