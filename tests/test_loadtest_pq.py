@@ -5,6 +5,7 @@ every request succeeded."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -152,6 +153,11 @@ def test_bench_measures_every_key_type_and_operation(report: rates.Report) -> No
         assert report.sizes[name]["encapsulation"] == size
         assert report.sizes[name]["ciphertext"] == size + pq.DATA_KEY_BYTES + 16
     assert report.sizes["rsa-2048"]["signature"] == 256
+    for name in pq.ENCRYPTING:  # cryptd:v1: + base64url (no padding) of 2 header bytes + body
+        body = report.sizes[name]["ciphertext"]
+        assert report.sizes[name]["token"] == len("cryptd:v1:") + math.ceil(4 * (2 + body) / 3)
+    assert report.sizes["x25519-ml-kem-768"]["public_key_raw"] == 1184 + 32  # ML-KEM-768 + X25519
+    assert report.sizes["ml-dsa-65"]["public_key"] == 1952 + 22  # FIPS 204 key in an SPKI
 
 
 @pytest.mark.slow
@@ -161,6 +167,9 @@ def test_bench_table_has_a_row_per_key_type(report: rates.Report) -> None:
         assert title in text
     assert "3,309" in text
     assert "1,120" in text
+    assert "RSA-3072" in text
+    xwing = next(line for line in text.splitlines() if line.startswith("X-Wing "))
+    assert xwing.split()[-4:] == ["1,570", "1,168", "1,216", "raw"]  # token, body, public key
     assert "SM2/RSA-2048" not in text  # the SM2 tables were not measured
 
 

@@ -2,11 +2,15 @@
 and the sizes a client stores or sends, measured through cryptd's own key handles
 (``service/crypto``), so each figure is what one request's crypto costs the service.
 
-The tables below are the whole choice of what is measured: a new key type (a composite
-ML-DSA, say) is one name in :data:`SIGNING` or :data:`ENCRYPTING`. Signing is of the
-benchmark's 32-byte message, encryption of a 32-byte data key (the service's token body for
-it: HPKE for ML-KEM and X-Wing, RSA-OAEP or SM2 wrapping an AES-256-GCM / SM4-GCM key), and
-encapsulation is the raw KEM.
+The tables below are the whole choice of what is measured: a new key type is one name in
+:data:`SIGNING` or :data:`ENCRYPTING`. Signing is of the benchmark's 32-byte message,
+encryption of a 32-byte data key (the service's token body for it: HPKE for ML-KEM and X-Wing,
+RSA-OAEP or SM2 wrapping an AES-256-GCM / SM4-GCM key), and encapsulation is the raw KEM.
+
+The sizes are exact, made by the key types' own code: the signature, the token body, the token
+as the API returns it (``cryptd:v1:`` and base64url; its characters are ASCII, one byte each),
+the KEM ciphertext and the public key. :func:`sizes` gives them without timing anything;
+docs/MIGRATION.md's post-quantum tables are held to them by tests/test_migration_pq_table.py.
 
 ``fast-mldsa`` (a Rust ML-DSA on PyPI, docs/PERFORMANCE.md says why the service does not use
 it) is measured beside ML-DSA-65 when it is installed, as a reference only.
@@ -14,12 +18,14 @@ it) is measured beside ML-DSA-65 when it is installed, as a reference only.
 
 from __future__ import annotations
 
+import base64
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from service.crypto.base import NO_OPTIONS, KeyHandle
 from service.crypto.registry import KEY_TYPES
+from service.keys import token
 
 Op = Callable[[], object]
 
@@ -35,10 +41,11 @@ SIGNING = (
     "ed25519",
     "sm2",
 )
-ENCRYPTING = ("ml-kem-768", "ml-kem-1024", "x25519-ml-kem-768", "rsa-2048", "sm2")
+ENCRYPTING = ("ml-kem-768", "ml-kem-1024", "x25519-ml-kem-768", "rsa-2048", "rsa-3072", "sm2")
 SIGN_OPERATIONS = ("sign", "verify")
 ENCRYPT_OPERATIONS = ("encrypt", "decrypt", "encapsulate", "decapsulate")
-SIZES = ("signature", "ciphertext", "encapsulation")
+SIZES = ("signature", "ciphertext", "encapsulation")  # the chart's byte panel
+TOKEN_VERSION = 1  # a key's first version: ``cryptd:v1:``, as a new key's tokens read
 PREFIX = "type:"  # a key type's figures in the report, apart from the SM2 tables' backends
 REFERENCE = "fast-mldsa:ml-dsa-65"  # the optional outside ML-DSA-65, never the service's
 MESSAGE = b"cryptd bench message, 32 bytes."
@@ -63,7 +70,7 @@ def signing_ops(type_name: str) -> tuple[dict[str, Op], dict[str, int | None]]:
         "sign": lambda: handle.sign(MESSAGE, prehashed=False, options=NO_OPTIONS),
         "verify": lambda: handle.verify(signature, MESSAGE, prehashed=False, options=NO_OPTIONS),
     }
-    return ops, {"signature": len(signature)}
+    return ops, {"signature": len(signature), **public_key_size(handle)}
 
 
 def encrypting_ops(type_name: str) -> tuple[dict[str, Op], dict[str, int | None]]:
@@ -76,7 +83,11 @@ def encrypting_ops(type_name: str) -> tuple[dict[str, Op], dict[str, int | None]
         "encrypt": lambda: handle.encrypt(data_key, b""),
         "decrypt": lambda: handle.decrypt(body, b""),
     }
-    sizes: dict[str, int | None] = {"ciphertext": len(body)}
+    sizes: dict[str, int | None] = {
+        "ciphertext": len(body),
+        "token": len(token.encode(TOKEN_VERSION, KEY_TYPES[type_name].type_id, body)),
+        **public_key_size(handle),
+    }
     if KEY_TYPES[type_name].supports("encapsulate"):
         encapsulated, secret = handle.encapsulate()
         if handle.decapsulate(encapsulated) != secret:
@@ -85,6 +96,19 @@ def encrypting_ops(type_name: str) -> tuple[dict[str, Op], dict[str, int | None]
         ops["decapsulate"] = lambda: handle.decapsulate(encapsulated)
         sizes["encapsulation"] = len(encapsulated)
     return ops, sizes
+
+
+def public_key_size(handle: KeyHandle) -> dict[str, int | None]:
+    """``public_key``: its SubjectPublicKeyInfo DER bytes; ``public_key_raw`` instead for a type
+    that has no SPKI (X-Wing: the raw ML-KEM-768 || X25519 key)."""
+    pem = handle.public_key_pem()
+    if pem is not None:
+        body = "".join(line for line in pem.splitlines() if not line.startswith("-----"))
+        return {"public_key": len(base64.b64decode(body))}
+    raw = handle.public_key_raw()
+    if raw is None:
+        raise RuntimeError(f"{handle.type_name}: no public key")
+    return {"public_key_raw": len(bytes.fromhex(raw))}
 
 
 def reference_ops() -> dict[str, Op] | None:
@@ -109,6 +133,15 @@ def candidates(
     for type_name in types:
         ops[label(type_name)], sizes[type_name] = build(type_name)
     return ops, sizes
+
+
+def sizes(
+    signing: tuple[str, ...] = SIGNING, encrypting: tuple[str, ...] = ENCRYPTING
+) -> dict[str, dict[str, Any]]:
+    """Every size the bench reports, per key type, without timing anything."""
+    return merge_sizes(
+        candidates(signing, signing_ops)[1], candidates(encrypting, encrypting_ops)[1]
+    )
 
 
 def merge_sizes(*parts: Mapping[str, Mapping[str, int | None]]) -> dict[str, dict[str, Any]]:

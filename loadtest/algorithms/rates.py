@@ -11,8 +11,9 @@ Measurements (ops/s, one thread unless stated):
   an SM4-GCM key; RSA-OAEP wraps an AES-256-GCM key) and as plain SM2 of the whole payload (the
   origin article's and gmssl's way);
 - SM2 on several threads, which shows the libcrypto calls release the GIL;
-- the post-quantum key types (ML-DSA, ML-KEM, X-Wing) against RSA-2048, ECDSA-P256, Ed25519
-  and SM2 through cryptd's key handles, with signature and ciphertext sizes (:mod:`.pq`).
+- the post-quantum key types (ML-DSA, composite ML-DSA-65, ML-KEM, X-Wing) against RSA-2048,
+  RSA-3072, ECDSA-P256, Ed25519 and SM2 through cryptd's key handles, with the exact sizes of
+  signatures, tokens, KEM ciphertexts and public keys (:mod:`.pq`).
 
 ``gmssl`` is a reference only (non-cryptographic nonces, C3 never checked): it is measured when
 installed and never used by the service.

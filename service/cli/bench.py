@@ -1,8 +1,9 @@
 """``cryptd bench``: the key types on this machine, SM2 and the post-quantum ones against
 RSA-2048, ECDSA-P256, Ed25519 (and gmssl for SM2).
 
-Prints the post-quantum table (ML-DSA, ML-KEM and X-Wing against RSA-2048, ECDSA-P256, Ed25519
-and SM2 through cryptd's key handles: ops/s per operation, signature and ciphertext bytes),
+Prints the post-quantum tables (ML-DSA, ML-KEM and X-Wing against RSA-2048, ECDSA-P256, Ed25519
+and SM2 through cryptd's key handles: ops/s per operation and its ratio to RSA-2048's, the
+signature, token and public-key sizes),
 the origin article's table (keygen, encrypt, decrypt, sign, verify in ops/s on one core,
 with SM2/RSA-2048 and SM2/gmssl ratios), the effect of the payload size, the SM2 speed-up on
 several threads and SM2 against its references; ``--pq-only`` / ``--no-pq`` keep one part;
