@@ -83,6 +83,7 @@ DOCUMENTS: dict[str, Document] = {
             "pq-1-check",
             "pq-1-kem",
             "pq-2-dual-sign",
+            "pq-2-composite",
             "pq-3-mldsa-only",
         )
     ),
