@@ -113,6 +113,22 @@ class _ServerContext(ssl.SSLContext):
         return wrapped
 
 
+def keep_reads_off_mmap() -> None:
+    """Make glibc serve the 256 KiB uvloop asks for on every TLS read from the heap.
+
+    uvloop reads each record with ``read(262144)``: CPython allocates a bytes object of that
+    size, which glibc maps with mmap (above its 128 KiB threshold), shrinks with mremap to what
+    was read and unmaps when it is freed: three system calls and a fresh page per request.
+    glibc raises its threshold to the size of the largest mapped block freed (mallopt(3),
+    M_MMAP_THRESHOLD, dynamic adjustment), so freeing one 1 MiB block once puts the threshold
+    above 256 KiB: the reads then take and give back heap memory, no system call. An operator's
+    own M_MMAP_THRESHOLD (MALLOC_MMAP_THRESHOLD_) turns the adjustment off and is kept; other
+    C libraries ignore this.
+    """
+    block = bytearray(1024 * 1024)
+    del block
+
+
 def server_context(files: TLSFiles) -> ssl.SSLContext:
     """A server context with cryptd's policy and ``files`` loaded. Raises
     :class:`TLSFileError` if they do not load (missing, unreadable, not PEM, a key that does
@@ -125,6 +141,7 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
     )
     context.set_alpn_protocols(ALPN)
     _prefer_aes128(context)
+    keep_reads_off_mmap()  # once per process would do; it costs a microsecond
     cert = f"CRYPTD_TLS_CERT_FILE {files.cert_file}"
     key = f"CRYPTD_TLS_KEY_FILE {files.key_file}"
     if b"-----BEGIN CERTIFICATE-----" not in _read(files.cert_file, cert):
