@@ -118,7 +118,7 @@ def keep_reads_off_mmap() -> None:
 
     uvloop reads each record with ``read(262144)``: CPython allocates a bytes object of that
     size, which glibc maps with mmap (above its 128 KiB threshold), shrinks with mremap to what
-    was read and unmaps when it is freed: three system calls and a fresh page per request.
+    was read and unmaps when it is freed: three system calls per request.
     glibc raises its threshold to the size of the largest mapped block freed (mallopt(3),
     M_MMAP_THRESHOLD, dynamic adjustment), so freeing one 1 MiB block once puts the threshold
     above 256 KiB: the reads then take and give back heap memory, no system call. An operator's
