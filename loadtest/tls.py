@@ -4,6 +4,12 @@ its own TLS, alternating, on the runner's pinned topology.
     python -m loadtest.tls              # 10 s x 3 rounds per target
     python -m loadtest.tls --record     # and keep the summary as docs/results/DATE-tls.md
     python -m loadtest.tls --quick      # smoke run
+    python -m loadtest.tls --production --rounds 5 --record   # the README's table
+
+``--production`` runs cryptd as production does beside the plain one: the replay store on a
+Redis of the run's own (pinned with the servers, its CPU counted as cryptd's), the audit log to
+a file with group fsync, failing closed, and metrics on; the summary names the host's phase
+(RSA-2048 PSS sign time in a bare loop, before and after) and gives every round's ratios.
 
 Six servers run side by side on the server CPUs: cryptd plain and cryptd over TLS (``cryptd serve
 --dev`` and ``--dev --tls``, each in its own directory; signing, metrics and the audit log on),
@@ -27,6 +33,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -40,13 +47,16 @@ from loadtest.options import (
     add_quiet_options,
     add_topology_options,
 )
+from loadtest.phase import describe as describe_phase
+from loadtest.phase import rsa_sign_us
 from loadtest.plan import CALIBRATION_DEFAULT, Plan, load_settings
 from loadtest.progress import describe, log
 from loadtest.report import Summary, summarize
 from loadtest.sampling import AnyTarget, Prepared, measure, prepare, quietly
 from loadtest.scenarios import BY_NAME, SCENARIOS
 from loadtest.session import session, write_outputs, wrk_missing
-from loadtest.targets import Bare, Cryptd, OpenBao
+from loadtest.targets import Bare, Cryptd, OpenBao, PrivateRedis
+from loadtest.tls_rounds import rounds_table
 
 KINDS: Final = ("cryptd", "bare", "openbao")
 LABELS: Final = {"cryptd": "cryptd", "bare": "bare ASGI", "openbao": "OpenBao"}
@@ -278,13 +288,27 @@ def openbao_table(found: Sequence[ScenarioResult]) -> str:
 def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
     """The docs' section: what ran, the hot-path table and the OpenBao table."""
     cfg, tls = result["config"], result["tls"]
+    production = cfg.get("production", False)
+    setup = (
+        "signing, replay protection on a Redis of its own, metrics and the audit log (a file, "
+        "group fsync, fail-closed) on"
+        if production
+        else "signing, metrics and audit on"
+    )
+    phase = result.get("phase")
     lines = [
         f"Run of {result['started']} on `{result['machine']['git_head']}` ({cfg['topology']}; "
         f"{served_by(result['machine'])}load average {' '.join(result['machine']['loadavg'])} "
         "at start), wrk "
         f"-t{cfg['threads']} -c{cfg['connections']} on keep-alive connections, "
         f"{cfg['duration']:.0f} s x {cfg['rounds']} round(s), medians; cryptd with "
-        f"{cfg['workers']} worker(s), signing, metrics and audit on. TLS negotiated: cryptd "
+        f"{cfg['workers']} worker(s), {setup}. "
+        + (
+            f"Host phase: {describe_phase(phase['before'])} before, {phase['after']:.0f} us after. "
+            if phase
+            else ""
+        )
+        + f"TLS negotiated: cryptd "
         f"{tls.get('cryptd', '-')}, bare ASGI {tls.get('bare', '-')} (cryptd's certificate and "
         f"TLS context), OpenBao {tls.get('openbao', '-')} (`-dev-tls`, its own certificate). "
         f"Reproduced by `{cfg['command']}`.",
@@ -311,6 +335,14 @@ def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
             "",
             "Goal (cryptd's ratio with TLS on both sides no worse than without; no errors): "
             + _verdict(all(ok for r in found for k, ok in r.goals().items() if k != "hot_path")),
+        ]
+    runs = result.get("runs")
+    if runs and any("openbao" in r.pairs for r in found):
+        lines += [
+            "",
+            "cryptd / OpenBao ops/s in every round (the order of the targets reversed each round):",
+            "",
+            rounds_table(runs, cfg["rounds"]),
         ]
     return "\n".join(lines)
 
@@ -347,12 +379,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1, help="cryptd server workers (1)")
     add_cryptd_env_option(parser)
     parser.add_argument("--no-openbao", action="store_true", help="cryptd and the bare app only")
+    parser.add_argument(
+        "--production",
+        action="store_true",
+        help="cryptd as in production: replay store on a Redis of the run's own, audit to a "
+        "file (group fsync, fail-closed), metrics; 5 rounds unless --rounds says otherwise",
+    )
     add_quiet_options(parser)
     add_output_options(parser)
     return parser.parse_args(argv)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
+    if args.production and args.rounds is None and not args.quick:
+        args.rounds = 5
     chosen = tuple(args.scenarios.split(",")) if args.scenarios else CALIBRATION_DEFAULT
     unknown = [name for name in chosen if name not in BY_NAME]
     if unknown:
@@ -374,14 +414,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     topology = plan.topology
     cpus = topology.server_cpus
-    extra = dict(args.cryptd_env)
     with session(plan, "cryptd-loadtest-tls-", args.keep) as current:
         workdir, result = current.workdir, current.result
+        phase_before = rsa_sign_us()
+        log(describe_phase(phase_before))
         with contextlib.ExitStack() as stack:
             targets: dict[str, AnyTarget] = {}
             cryptds: dict[bool, Cryptd] = {}
+            redis_url = None
+            if args.production:
+                redis = PrivateRedis(workdir / "redis", cpus)
+                stack.callback(redis.stop)
+                redis.start()
+                redis_url = redis.url
+                log(f"replay store: Redis at {redis_url}")
             for tls in (False, True):
-                cryptd = Cryptd(workdir / label("cryptd", tls), args.workers, extra, cpus, tls)
+                directory = workdir / label("cryptd", tls)
+                extra = production_env(directory, redis_url) if redis_url else {}
+                extra.update(args.cryptd_env)
+                cryptd = Cryptd(directory, args.workers, extra, cpus, tls)
                 stack.callback(cryptd.stop)
                 cryptd.start()
                 cryptds[tls] = targets[label("cryptd", tls)] = cryptd
@@ -418,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["config"] = {
                 **current.config("loadtest.tls", argv),
                 "workers": args.workers,
-                "cryptd_env": extra,
+                "cryptd_env": dict(cryptds[True].env),
+                "production": args.production,
             }
             runs = run_rounds(targets, prepared, signers, plan)
             found = results(runs, topology.server_cores)
@@ -427,8 +479,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name, by_label in runs.items()
             }
             result["results"] = [r.to_json() for r in found]
+        result["phase"] = {"before": phase_before, "after": rsa_sign_us()}
         write_outputs(current, args, "tls", render(result, found), summary(result, found))
     return 0
+
+
+def production_env(directory: Path, redis_url: str) -> dict[str, str]:
+    """cryptd's environment as production runs it, beyond ``serve --dev``: the replay store on
+    Redis, the audit log to a file whose records are made durable (group fsync) before their
+    answers, refusing requests when they cannot be, and metrics."""
+    return {
+        "CRYPTD_REDIS_URL": redis_url,
+        "CRYPTD_AUDIT_LOG": str(directory / "audit.log"),
+        "CRYPTD_AUDIT_FAIL_CLOSED": "true",
+        "CRYPTD_METRICS": "true",
+    }
 
 
 if __name__ == "__main__":

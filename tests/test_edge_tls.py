@@ -155,6 +155,8 @@ def test_cryptd_call_reads_the_ca_from_the_credential(tls_server: Server) -> Non
 def test_tls13_is_preferred_and_tls12_uses_aead_with_forward_secrecy(tls_server: Server) -> None:
     with handshake(tls_server, client_context(tls_server.ca_file)) as sock:
         assert sock.version() == "TLSv1.3"
+        # The server's order: AES-128-GCM, where OpenSSL's client offers AES-256-GCM first.
+        assert sock.cipher()[0] == "TLS_AES_128_GCM_SHA256"  # type: ignore[index]
         assert healthz_over(sock) == 200
     tls12 = client_context(tls_server.ca_file, maximum=ssl.TLSVersion.TLSv1_2)
     with handshake(tls_server, tls12) as sock:

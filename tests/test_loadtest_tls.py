@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest import tls
+from loadtest import tls, tls_rounds
 from loadtest.measure import Measurement
 from loadtest.report import summarize
 from loadtest.targets import find_bao
@@ -101,7 +101,7 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
         pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
     out, report = tmp_path / "result.json", tmp_path / "report.md"
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest.tls", "--quick", "--duration", "1",
+        [sys.executable, "-m", "loadtest.tls", "--quick", "--duration", "1", "--production",
          "--scenarios", "aes-encrypt", "--connections", "2", "--quiet", "0",
          "--json", str(out), "--markdown", str(report)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
@@ -112,6 +112,15 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     # cryptd's signed requests verified over both, OpenBao with its own -dev-tls listener.
     assert set(result["tls"]) == {"cryptd", "bare", "openbao"}
     assert all(v.startswith("TLSv1.3 ") for v in result["tls"].values())
+    assert result["tls"]["cryptd"] == "TLSv1.3 TLS_AES_128_GCM_SHA256"
+    # Production's cryptd: replay store on the run's own Redis, audit to a file, fail-closed.
+    env = result["config"]["cryptd_env"]
+    assert env["CRYPTD_REDIS_URL"].startswith("redis://127.0.0.1:")
+    assert env["CRYPTD_REDIS_URL"] != "redis://127.0.0.1:6379/0"
+    assert env["CRYPTD_AUDIT_LOG"].endswith("audit.log")
+    assert env["CRYPTD_AUDIT_FAIL_CLOSED"] == "true"
+    assert result["config"]["production"] is True
+    assert 10 < result["phase"]["before"] < 100_000
     # The bare app uses cryptd's TLS context: the same suite.
     assert result["tls"]["bare"] == result["tls"]["cryptd"]
     runs = result["runs"]["aes-encrypt"]
@@ -128,4 +137,39 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     section = report.read_text()
     assert "| bare ASGI |" in section
     assert "| AES-256-GCM encrypt 1 KiB |" in section
-    assert "python -m loadtest.tls --quick" in section
+    assert "python -m loadtest.tls --quick --duration 1 --production" in section
+    assert "replay protection on a Redis of its own" in section
+    assert "Host phase: RSA-2048 PSS sign" in section
+    assert "| AES-256-GCM encrypt 1 KiB | " in section.split("in every round")[1]
+
+
+def test_every_rounds_ratios_are_reported_in_round_order() -> None:
+    def run(ops: float) -> dict[str, float]:
+        return {"ops": ops}
+
+    runs = {
+        "aes-encrypt": {
+            "cryptd-plain": [run(300), run(200)],
+            "openbao-plain": [run(100), run(100)],
+            "cryptd-tls": [run(150), run(240)],
+            "openbao-tls": [run(100), run(0)],
+        },
+        "sm2-sign": {"cryptd-plain": [run(50)], "cryptd-tls": [run(40)]},  # no OpenBao
+    }
+    table = tls_rounds.rounds_table(runs, 2)
+    lines = table.splitlines()
+    assert lines[2] == "| AES-256-GCM encrypt 1 KiB | 3.00 / 2.00 | 1.50 / - |"
+    assert len(lines) == 3  # the scenario OpenBao does not run has no row
+
+
+def test_production_runs_five_rounds_unless_told_and_names_its_settings(tmp_path: Path) -> None:
+    assert tls.make_plan(tls.parse_args(["--production", "--shared-cores"])).rounds == 5
+    assert tls.make_plan(tls.parse_args(["--production", "--rounds", "2"])).rounds == 2
+    assert tls.make_plan(tls.parse_args(["--shared-cores"])).rounds == 3
+    env = tls.production_env(tmp_path, "redis://127.0.0.1:7000/0")
+    assert env == {
+        "CRYPTD_REDIS_URL": "redis://127.0.0.1:7000/0",
+        "CRYPTD_AUDIT_LOG": str(tmp_path / "audit.log"),
+        "CRYPTD_AUDIT_FAIL_CLOSED": "true",
+        "CRYPTD_METRICS": "true",
+    }

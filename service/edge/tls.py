@@ -3,8 +3,10 @@ extension.
 
 Policy: TLS 1.2 at least (1.3 is chosen whenever the client has it: OpenSSL picks the highest
 common version); TLS 1.2 suites are ECDHE (forward secrecy) with AES-GCM or ChaCha20-Poly1305
-only, no CBC, no RSA key exchange; TLS 1.3 suites are OpenSSL's, all AEAD. No compression, no
-renegotiation; ALPN offers HTTP/1.1 only (an ``h2`` client falls back to it).
+only, no CBC, no RSA key exchange; TLS 1.3 suites are the three AEAD ones with AES-128-GCM first
+(the server's order wins), unless the OpenSSL configuration (``OPENSSL_CONF``) names its own
+``Ciphersuites``. No compression, no renegotiation; ALPN offers HTTP/1.1 only (an ``h2`` client
+falls back to it).
 
 Reload without a restart or a dropped connection: the files are stat-ed every second (a
 Kubernetes Secret update, how cert-manager rotates, is a swap of the ``..data`` symlink: a new
@@ -32,6 +34,7 @@ from typing import Any, Literal
 
 from cryptography import x509
 
+from service.edge import _libssl
 from service.fileio import FileStamp, file_stamp
 from service.metrics import certificate
 
@@ -50,6 +53,14 @@ TLS12_CIPHERS = ":".join(
     ]
 )
 ALPN = ["http/1.1"]
+# TLS 1.3 suites in the server's order: AES-128-GCM first, as Go and BoringSSL prefer (OpenSSL's
+# own order puts AES-256-GCM first); all three are AEAD.
+TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
+OPENSSL_TLS13_DEFAULT = (
+    "TLS_AES_256_GCM_SHA384",
+    "TLS_CHACHA20_POLY1305_SHA256",
+    "TLS_AES_128_GCM_SHA256",
+)
 
 # For the ASGI TLS extension, which names versions and suites by their IANA numbers.
 _TLS_VERSIONS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
@@ -102,6 +113,22 @@ class _ServerContext(ssl.SSLContext):
         return wrapped
 
 
+def keep_reads_off_mmap() -> None:
+    """Make glibc serve the 256 KiB uvloop asks for on every TLS read from the heap.
+
+    uvloop reads each record with ``read(262144)``: CPython allocates a bytes object of that
+    size, which glibc maps with mmap (above its 128 KiB threshold), shrinks with mremap to what
+    was read and unmaps when it is freed: three system calls per request.
+    glibc raises its threshold to the size of the largest mapped block freed (mallopt(3),
+    M_MMAP_THRESHOLD, dynamic adjustment), so freeing one 1 MiB block once puts the threshold
+    above 256 KiB: the reads then take and give back heap memory, no system call. An operator's
+    own M_MMAP_THRESHOLD (MALLOC_MMAP_THRESHOLD_) turns the adjustment off and is kept; other
+    C libraries ignore this.
+    """
+    block = bytearray(1024 * 1024)
+    del block
+
+
 def server_context(files: TLSFiles) -> ssl.SSLContext:
     """A server context with cryptd's policy and ``files`` loaded. Raises
     :class:`TLSFileError` if they do not load (missing, unreadable, not PEM, a key that does
@@ -113,6 +140,8 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
         ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION | ssl.OP_CIPHER_SERVER_PREFERENCE
     )
     context.set_alpn_protocols(ALPN)
+    _prefer_aes128(context)
+    keep_reads_off_mmap()  # once per process would do; it costs a microsecond
     cert = f"CRYPTD_TLS_CERT_FILE {files.cert_file}"
     key = f"CRYPTD_TLS_KEY_FILE {files.key_file}"
     if b"-----BEGIN CERTIFICATE-----" not in _read(files.cert_file, cert):
@@ -140,6 +169,19 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
             ssl.CERT_REQUIRED if files.client_cert == "required" else ssl.CERT_OPTIONAL
         )
     return context
+
+
+def _prefer_aes128(context: ssl.SSLContext) -> None:
+    """Put AES-128-GCM first among the TLS 1.3 suites, unless the OpenSSL configuration
+    (``OPENSSL_CONF``, ``Ciphersuites`` in its ``system_default`` section) set an order of its
+    own: then the operator's order stays."""
+    tls13 = tuple(c["name"] for c in context.get_ciphers() if c["protocol"] == "TLSv1.3")
+    if tls13 != OPENSSL_TLS13_DEFAULT:
+        return
+    try:
+        _libssl.set_tls13_suites(context, TLS13_SUITES)
+    except _libssl.LibsslError as exc:
+        log.warning("TLS 1.3 suites left in OpenSSL's order", extra={"reason": str(exc)})
 
 
 def _read(path: Path, what: str) -> bytes:
