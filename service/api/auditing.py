@@ -71,6 +71,12 @@ class AuditedSend:
             return
         await self.send(message)
 
+    async def commit(self, status: int) -> bool:
+        """Write the record of a successful answer not yet started, which the caller then
+        sends itself (the crypto 200, with no message to pass here); False when it was
+        replaced by 503 audit_unavailable instead."""
+        return await self._commit(status, None)
+
     async def abandon(self) -> None:
         """The app failed after starting an error answer it never finished: that request
         still gets its record (``internal``)."""
