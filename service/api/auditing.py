@@ -39,15 +39,11 @@ class AuditedSend:
         self.committed = False
         self._held: dict[str, Any] | None = None
         self._body: list[bytes] = []
-        self._replaced = False
-
-    @property
-    def replaced(self) -> bool:
+        self.replaced = False
         """True when the answer became 503 audit_unavailable."""
-        return self._replaced
 
     async def __call__(self, message: Any) -> None:
-        if self._replaced:
+        if self.replaced:
             return
         kind = message["type"]
         if kind == "http.response.start" and not self.committed:
@@ -90,7 +86,7 @@ class AuditedSend:
         audit = self.audit
         if await audit.commit(record_of(self.scope, status, code)) or not audit.fail_closed:
             return True
-        self._replaced = True
+        self.replaced = True
         await send_error(
             self.send,
             503,

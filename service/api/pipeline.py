@@ -200,8 +200,9 @@ class RequestPipeline:
             state["crypto_operation"] = operation  # names a refused one's audit record
         status = 500  # what the server answers when nothing was sent
         response_started = False
-        # Signed and audited: every /v1/ route but the seal's unsigned status.
-        protected = is_protected(scope) and not _unsigned(scope)
+        # Signed and audited: every /v1/ route but the seal's unsigned status. A crypto request
+        # (a POST under /v1/) always is.
+        protected = target is not None or (is_protected(scope) and not _unsigned(scope))
         answer_to: Send = send
         audited: AuditedSend | None = None
         if self.audit is not None and protected:
