@@ -39,15 +39,11 @@ class AuditedSend:
         self.committed = False
         self._held: dict[str, Any] | None = None
         self._body: list[bytes] = []
-        self._replaced = False
-
-    @property
-    def replaced(self) -> bool:
+        self.replaced = False
         """True when the answer became 503 audit_unavailable."""
-        return self._replaced
 
     async def __call__(self, message: Any) -> None:
-        if self._replaced:
+        if self.replaced:
             return
         kind = message["type"]
         if kind == "http.response.start" and not self.committed:
@@ -71,6 +67,12 @@ class AuditedSend:
             return
         await self.send(message)
 
+    async def commit(self, status: int) -> bool:
+        """Write the record of a successful answer not yet started, which the caller then
+        sends itself (the crypto 200, with no message to pass here); False when it was
+        replaced by 503 audit_unavailable instead."""
+        return await self._commit(status, None)
+
     async def abandon(self) -> None:
         """The app failed after starting an error answer it never finished: that request
         still gets its record (``internal``)."""
@@ -84,7 +86,7 @@ class AuditedSend:
         audit = self.audit
         if await audit.commit(record_of(self.scope, status, code)) or not audit.fail_closed:
             return True
-        self._replaced = True
+        self.replaced = True
         await send_error(
             self.send,
             503,

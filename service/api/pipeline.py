@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 from service.api.auditing import AuditedSend
 from service.api.errors import send_cryptd_error
@@ -47,7 +47,7 @@ from service.asgi import (
     route_path,
     send_error,
 )
-from service.auth.authenticator import REFUSED, WANTED_HEADERS, Authenticator, add_field
+from service.auth.authenticator import REFUSED, WANTED_HEADERS, Authenticator
 from service.auth.policy import is_protected
 from service.errors import CryptdError, Overloaded
 from service.errors import Sealed as SealedError
@@ -67,6 +67,32 @@ _CONTENT_TYPE = (b"content-type", b"application/json")
 _UNSIGNED_GET = "/v1/sys/seal-status"
 # What a sealed server answers under /v1/ (every other route: 503 sealed).
 _WHILE_SEALED = frozenset({_UNSIGNED_GET, "/v1/sys/unseal"})
+
+
+# What the header pass does with a field name: a signature field (its lower-case name, matched
+# whatever the case, as signature_headers does), the declared length, the request id (both
+# matched exactly), or nothing. Names are looked up once each: one dict lookup a header line
+# instead of a case fold and two. Names seen are remembered, a bounded number.
+# The two roles that are not a field's name are spelled so that no field name equals them.
+_OTHER: Final = ""
+_LENGTH: Final = ":length"
+_REQUEST_ID: Final = ":request-id"
+_HEADER_ROLES: dict[bytes, str] = {
+    **WANTED_HEADERS,
+    b"content-length": _LENGTH,
+    b"x-request-id": _REQUEST_ID,
+    **dict.fromkeys((b"host", b"user-agent", b"accept", b"connection"), _OTHER),
+}
+_HEADER_ROLES_MAX: Final = 256
+
+
+def _role_of(name: bytes) -> str:
+    role = WANTED_HEADERS.get(name.lower())
+    if role is None:
+        role = _OTHER
+    if len(_HEADER_ROLES) < _HEADER_ROLES_MAX:
+        _HEADER_ROLES[name] = role
+    return role
 
 
 def _unsigned(scope: Scope) -> bool:
@@ -146,18 +172,25 @@ class RequestPipeline:
         request_id = b""
         declared = -1
         headers: dict[str, str] = {}
+        roles = _HEADER_ROLES
         for name, value in scope["headers"]:
-            wanted = WANTED_HEADERS.get(name) or WANTED_HEADERS.get(name.lower())
-            if wanted is not None:
-                add_field(headers, wanted, value)
-            elif name == b"content-length":
+            role = roles.get(name)
+            if role is None:
+                role = _role_of(name)
+            if role == _OTHER:
+                continue
+            if role == _LENGTH:
                 if declared < 0:
                     try:
                         declared = int(value)
                     except ValueError:
                         declared = 0
-            elif name == b"x-request-id" and not request_id:
-                request_id = value
+            elif role == _REQUEST_ID:
+                if not request_id:
+                    request_id = value
+            else:  # a signature field: add_field, inlined
+                text = value.decode("latin-1").strip(" \t")
+                headers[role] = f"{headers[role]}, {text}" if role in headers else text
         request_id = request_id_of(request_id)
         state = scope.get("state")
         if state is None:
@@ -167,12 +200,14 @@ class RequestPipeline:
             state["crypto_operation"] = operation  # names a refused one's audit record
         status = 500  # what the server answers when nothing was sent
         response_started = False
-        # Signed and audited: every /v1/ route but the seal's unsigned status.
-        protected = is_protected(scope) and not _unsigned(scope)
+        # Signed and audited: every /v1/ route but the seal's unsigned status. A crypto request
+        # (a POST under /v1/) always is.
+        protected = target is not None or (is_protected(scope) and not _unsigned(scope))
         answer_to: Send = send
+        audited: AuditedSend | None = None
         if self.audit is not None and protected:
             # The record first, then the answer: every answer below passes the audit.
-            answer_to = AuditedSend(self.audit, scope, send, request_id)
+            answer_to = audited = AuditedSend(self.audit, scope, send, request_id)
 
         async def send_with_id(message: Any) -> None:
             # Every answer but the crypto 200 (written below) passes here and gets the id.
@@ -231,12 +266,12 @@ class RequestPipeline:
                     (b"x-request-id", request_id),
                 ],
             }
-            if answer_to is not send:
-                await send_with_id(start | {"headers": start["headers"][:2]})
-                await answer_to({"type": "http.response.body", "body": answer})
-                return
             status = 200
             response_started = True
+            # Audited: the record is written first; if it could not be and the audit fails
+            # closed, commit() has answered 503 instead.
+            if audited is not None and not await audited.commit(200):
+                return
             await send(start)
             await send({"type": "http.response.body", "body": answer})
         except Exception as exc:
@@ -247,10 +282,10 @@ class RequestPipeline:
             )
             if not response_started:
                 await send_error(send_with_id, 500, "internal", "internal error")
-            elif isinstance(answer_to, AuditedSend):
-                await answer_to.abandon()
+            elif audited is not None:
+                await audited.abandon()
         finally:
-            if isinstance(answer_to, AuditedSend) and answer_to.replaced:
+            if audited is not None and audited.replaced:
                 status = 503
             ended = perf_counter()
             if cheap is not None:

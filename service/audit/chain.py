@@ -42,6 +42,20 @@ def encode(head: Head, fields: dict[str, Any] | bytes) -> tuple[bytes, Head]:
     return line + b"\n", Head(head.seq + 1, line_hash(line))
 
 
+def encode_all(head: Head, bodies: list[bytes]) -> tuple[list[bytes], Head]:
+    """:func:`encode` of each serialized record in turn: the lines, and the head after the
+    last. (One head built per batch, not per line.)"""
+    seq = head.seq
+    prev = head.hash.encode()
+    lines: list[bytes] = []
+    for body in bodies:
+        seq += 1
+        line = b'{"seq":%d,"prev":"%s"' % (seq, prev) + (b"}" if body == b"{}" else b"," + body[1:])
+        prev = hashlib.sha256(line).hexdigest().encode()
+        lines.append(line + b"\n")
+    return lines, head if seq == head.seq else Head(seq, prev.decode())
+
+
 class BrokenTail(Exception):
     """The last line of a file is not a complete record (a torn write, a truncation)."""
 

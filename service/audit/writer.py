@@ -137,7 +137,11 @@ class AuditWriter:
         """True once ``record`` is on disk; False when it could not be written."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending.append((record, future))
-        self._wake.set()
+        # Already set: the writer has not cleared it yet, so its next batch takes this record
+        # too (it clears before it empties the queue). Event.set() costs a Condition round.
+        wake = self._wake
+        if not wake.is_set():
+            wake.set()
         return await future
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
@@ -238,9 +242,9 @@ class AuditWriter:
         if self._open_line_due:
             line, head = chain.encode(head, self._open_fields())
             lines.append(line)
-        for item in fields:
-            line, head = chain.encode(head, item)
-            lines.append(line)
+        if fields:
+            records, head = chain.encode_all(head, fields)
+            lines += records
         since = self._since_checkpoint + len(lines)  # the audit.open line is one too
         if checkpoint_after and (since or force) and self._signer is not None:
             try:

@@ -33,7 +33,13 @@ from service.auth.clients import Client, ClientRegistry
 from service.auth.policy import set_client
 from service.auth.ratelimit import RateLimiter
 from service.auth.replay import ReplayStore, StoreRecovering, StoreUnavailable, TooOld
-from service.auth.signature import DEFAULT_MAX_SKEW, SIGNATURE_HEADERS, AuthError, verify_request
+from service.auth.signature import (
+    DEFAULT_MAX_SKEW,
+    SIGNATURE_HEADERS,
+    AuthError,
+    SignatureInput,
+    verify_request,
+)
 from service.errors import Overloaded, RateLimited, Unauthenticated, UnsupportedMediaType
 
 logger = logging.getLogger("cryptd.auth")
@@ -98,7 +104,29 @@ class Authenticator:
         if "signature" not in headers and "signature-input" not in headers:
             client = self._by_certificate(scope, registry)
         else:
-            client = await self._by_signature(scope, registry, headers, body)
+            client, signed, now = self._by_signature(scope, registry, headers, body)
+            # Remember the nonce until the signature could no longer pass the created check.
+            # (Awaited here, not in a helper coroutine: the store's batch suspends every
+            # request, and each coroutine between costs on the way out and back.)
+            ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
+            try:
+                first = await self.replay.remember(signed.keyid, signed.nonce, signed.created, ttl)
+            except TooOld:  # by the shared store's clock: this replica's clock is behind
+                raise AuthError("stale") from None
+            except StoreRecovering:  # never fail-open: the window is short and exactly the risk
+                self._recovering()
+                raise
+            except StoreUnavailable as exc:
+                if not self._unavailable(exc):
+                    raise
+                first = True  # fail-open
+            else:
+                if self._store_down:
+                    self._store_down = False
+                    logger.warning("replay store reachable again")
+                self._recovering_logged = False  # the next restart is logged again
+            if not first:
+                raise AuthError("replayed")
         set_client(scope, client)  # authenticated: a 429 or 415 below names it in the logs
         if self.rate_limiter is not None:
             await self.rate_limiter.acquire(client.client_id)
@@ -106,9 +134,11 @@ class Authenticator:
             raise UnsupportedMediaType()
         return client
 
-    async def _by_signature(
+    def _by_signature(
         self, scope: Scope, registry: ClientRegistry, headers: dict[str, str], body: bytes
-    ) -> Client:
+    ) -> tuple[Client, SignatureInput, float]:
+        """The client whose valid signature the request carries, the signature, and the time
+        it was checked at; its nonce is not yet remembered."""
         raw_path: bytes | None = scope.get("raw_path")
         try:
             path = scope["path"] if raw_path is None else raw_path.decode("ascii")
@@ -132,12 +162,7 @@ class Authenticator:
             raise AuthError("unknown_client")
         if client.certificates and client.certificates.isdisjoint(peer_identities(scope)):
             raise AuthError("certificate_mismatch")
-
-        # Remember the nonce until the signature could no longer pass the created check.
-        ttl = max(1, math.ceil(signed.created + self.max_age - now) + 1)
-        if not await self._remember(signed.keyid, signed.nonce, signed.created, ttl):
-            raise AuthError("replayed")
-        return client
+        return client, signed, now
 
     def _by_certificate(self, scope: Scope, registry: ClientRegistry) -> Client:
         """A request without signature fields: the certificate-only client its connection's
@@ -180,37 +205,26 @@ class Authenticator:
         self._rejected("replay_unavailable", scope)
         return Answer(503, Overloaded.code, "replay store unavailable", [(b"retry-after", b"1")])
 
-    async def _remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
-        try:
-            first = await self.replay.remember(keyid, nonce, created, ttl)
-        except TooOld:  # by the shared store's clock: this replica's clock is behind
-            raise AuthError("stale") from None
-        except StoreRecovering:  # never fail-open: the window is short and exactly the risk
-            if not self._recovering_logged:
-                self._recovering_logged = True
-                logger.warning(
-                    "replay store restarted: refusing requests signed before its start "
-                    "(503, Retry-After) so that none accepted earlier is accepted again"
-                )
-            raise
-        except StoreUnavailable as exc:
-            if not self._store_down:
-                self._store_down = True
-                logger.error(
-                    "replay store unavailable (%s); %s",
-                    exc,
-                    "accepting requests WITHOUT replay protection (fail-open)"
-                    if self.fail_open
-                    else "refusing signed requests with 503",
-                )
-            if self.fail_open:
-                return True
-            raise
-        if self._store_down:
-            self._store_down = False
-            logger.warning("replay store reachable again")
-        self._recovering_logged = False  # the next restart is logged again
-        return first
+    def _recovering(self) -> None:
+        if not self._recovering_logged:
+            self._recovering_logged = True
+            logger.warning(
+                "replay store restarted: refusing requests signed before its start "
+                "(503, Retry-After) so that none accepted earlier is accepted again"
+            )
+
+    def _unavailable(self, exc: StoreUnavailable) -> bool:
+        """Logged once per outage; True when the request goes on anyway (fail-open)."""
+        if not self._store_down:
+            self._store_down = True
+            logger.error(
+                "replay store unavailable (%s); %s",
+                exc,
+                "accepting requests WITHOUT replay protection (fail-open)"
+                if self.fail_open
+                else "refusing signed requests with 503",
+            )
+        return self.fail_open
 
     def _rejected(self, cause: str, scope: Scope) -> None:
         logger.info("request refused: %s (peer=%s)", cause, _peer(scope))

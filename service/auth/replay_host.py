@@ -181,8 +181,9 @@ class HostReplayStore:
             verdicts: list[Verdict] = []
             with self._env.begin(write=True) as txn:
                 floor = _epoch(txn, self._meta) + self.max_skew
+                claimed: dict[int, int] = {}
                 for keyid, nonce, created in items:
-                    verdicts.append(self._put(txn, keyid, nonce, created, floor))
+                    verdicts.append(self._put(txn, keyid, nonce, created, floor, claimed))
             return verdicts
         except lmdb.MapFullError:
             raise StoreUnavailable("replay store full") from None
@@ -190,22 +191,32 @@ class HostReplayStore:
             raise StoreUnavailable(type(exc).__name__) from exc
 
     def _put(
-        self, txn: lmdb.Transaction[bytes], keyid: str, nonce: str, created: int, floor: int
+        self,
+        txn: lmdb.Transaction[bytes],
+        keyid: str,
+        nonce: str,
+        created: int,
+        floor: int,
+        claimed: dict[int, int],
     ) -> Verdict:
+        """``claimed``: slot index -> the minute this transaction found or put there; the
+        nonces of one batch share one or two minutes, so each slot is read once a batch."""
         if created < floor:
             return StoreRecovering(floor - created)
         digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
         bucket = created // BUCKET_SECONDS
         index = bucket % SLOTS
-        wanted = _BUCKET.pack(bucket)
-        held = txn.get(_SLOT_KEYS[index], db=self._meta)
-        if held != wanted:
-            if held is not None and _BUCKET.unpack(held)[0] > bucket:
-                # Older than the whole ring: the signature check lets none through.
-                return StoreUnavailable("request older than the replay store's window")
-            # A minute SLOTS minutes old, long expired, makes room for this one.
-            txn.drop(self._slots[index], delete=False)
-            txn.put(_SLOT_KEYS[index], wanted, db=self._meta)
+        if claimed.get(index) != bucket:
+            wanted = _BUCKET.pack(bucket)
+            held = txn.get(_SLOT_KEYS[index], db=self._meta)
+            if held != wanted:
+                if held is not None and _BUCKET.unpack(held)[0] > bucket:
+                    # Older than the whole ring: the signature check lets none through.
+                    return StoreUnavailable("request older than the replay store's window")
+                # A minute SLOTS minutes old, long expired, makes room for this one.
+                txn.drop(self._slots[index], delete=False)
+                txn.put(_SLOT_KEYS[index], wanted, db=self._meta)
+            claimed[index] = bucket
         return bool(txn.put(digest, b"", db=self._slots[index], overwrite=False))
 
     def _sweep(self, now: float) -> None:
