@@ -74,6 +74,13 @@ _BUCKET: Final = struct.Struct(">q")
 
 Nonce = tuple[str, str, int]  # keyid, nonce, created
 Verdict = bool | StoreUnavailable  # first time, replay, or this nonce's refusal
+_Prepared = tuple[int, bytes, int, bytes]  # created, digest, bucket, packed bucket
+
+
+def _prepare(keyid: str, nonce: str, created: int) -> _Prepared:
+    digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
+    bucket = created // BUCKET_SECONDS
+    return created, digest, bucket, _BUCKET.pack(bucket)
 
 
 class ReplayStoreError(ValueError):
@@ -178,26 +185,25 @@ class HostReplayStore:
         try:
             if time.monotonic() >= self._next_sweep:
                 self._sweep(now)
+            # Hashed before the write lock is taken: the lock is the one thing every worker
+            # of the host waits for, so only the B-tree work is done holding it.
+            prepared = [_prepare(keyid, nonce, created) for keyid, nonce, created in items]
             verdicts: list[Verdict] = []
             with self._env.begin(write=True) as txn:
                 floor = _epoch(txn, self._meta) + self.max_skew
-                for keyid, nonce, created in items:
-                    verdicts.append(self._put(txn, keyid, nonce, created, floor))
+                for entry in prepared:
+                    verdicts.append(self._put(txn, entry, floor))
             return verdicts
         except lmdb.MapFullError:
             raise StoreUnavailable("replay store full") from None
         except lmdb.Error as exc:
             raise StoreUnavailable(type(exc).__name__) from exc
 
-    def _put(
-        self, txn: lmdb.Transaction[bytes], keyid: str, nonce: str, created: int, floor: int
-    ) -> Verdict:
+    def _put(self, txn: lmdb.Transaction[bytes], entry: _Prepared, floor: int) -> Verdict:
+        created, digest, bucket, wanted = entry
         if created < floor:
             return StoreRecovering(floor - created)
-        digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
-        bucket = created // BUCKET_SECONDS
         index = bucket % SLOTS
-        wanted = _BUCKET.pack(bucket)
         held = txn.get(_SLOT_KEYS[index], db=self._meta)
         if held != wanted:
             if held is not None and _BUCKET.unpack(held)[0] > bucket:
