@@ -217,7 +217,9 @@ BY_NAME: Final = {op.name: op for op in OPERATIONS}
 
 
 def _json_round_trip(body: bytes) -> bytes:
-    return json.dumps(json.loads(body)).encode()
+    # Compact, as the harness's bodies are: the same bytes come back, so the signed digest
+    # still matches and only the work is added.
+    return json.dumps(json.loads(body), separators=(",", ":")).encode()
 
 
 # Planted steps: extra work on every request, added by this harness around the application
@@ -325,8 +327,25 @@ async def _settle() -> None:
     gc.collect()
 
 
+# Timers that fire by the clock, not per request: under callgrind a window lasts seconds,
+# as many or as few as the machine's load makes it, so they would move the counts. Stretched
+# beyond any run, they leave only each request's own work.
+QUIET_TIMERS: Final = {
+    "CRYPTD_USAGE_FLUSH_INTERVAL": "3600",
+    "CRYPTD_KEYRING_RELOAD_INTERVAL": "3600",
+    "CRYPTD_AUTO_ROTATE_CHECK_INTERVAL": "3600",
+    "CRYPTD_AUDIT_CHECKPOINT_INTERVAL": "3600",
+}
+
+
 def _variant(name: str, scratch: Path) -> dict[str, Any]:
     """hotpath.application's arguments for a variant."""
+    chosen = _variant_choice(name, scratch)
+    chosen["extra_env"] = {**QUIET_TIMERS, **chosen.get("extra_env", {})}
+    return chosen
+
+
+def _variant_choice(name: str, scratch: Path) -> dict[str, Any]:
     if name == "metrics-off":
         return {"extra_env": {"CRYPTD_METRICS": "false"}}
     if name == "metrics-multiprocess":
@@ -434,8 +453,6 @@ def count(
             if found is None:
                 raise RuntimeError(f"no totals in {dump.name}")
             totals.append(int(found.group(1)))
-    if os.environ.get("GUARD_DEBUG"):
-        print(totals, file=sys.stderr)
     per_request = {}
     for i, name in enumerate(names):
         _warmup, low, high = split(name)[0].windows()
@@ -545,7 +562,7 @@ def report(verdicts: Sequence[Verdict], tolerance: float, env_changes: Sequence[
     return "\n".join(lines)
 
 
-def record(path: Path = BUDGET_FILE, tolerance: float = 0.03, runs: int = 2) -> dict[str, Any]:
+def record(path: Path = BUDGET_FILE, tolerance: float = 0.05, runs: int = 2) -> dict[str, Any]:
     """Measure every operation ``runs`` times and write the budget."""
     names = [op.name for op in OPERATIONS]
     # Side by side: each run is one process, and callgrind serialises its threads anyway.
@@ -555,7 +572,7 @@ def record(path: Path = BUDGET_FILE, tolerance: float = 0.03, runs: int = 2) -> 
 
 
 def write_budget(
-    rounds: Sequence[Mapping[str, float]], path: Path = BUDGET_FILE, tolerance: float = 0.03
+    rounds: Sequence[Mapping[str, float]], path: Path = BUDGET_FILE, tolerance: float = 0.05
 ) -> dict[str, Any]:
     """The budget of these measurements of every operation: the largest count of each, and
     the spread between the runs (what the tolerance must cover)."""
