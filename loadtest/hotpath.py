@@ -15,6 +15,9 @@ no HTTP parsing, no load generator. Two measures:
   count of one request, start-up and signing excluded. It repeats to within a fraction of a
   percent whatever else runs on the machine: compare two trees with it.
 
+Every operation's instruction count is held to a committed budget in CI
+(``loadtest/instructions.py``; ``--record-budget`` re-records it, ``--check-budget`` checks).
+
 The HTTP server's own share (uvicorn, uvloop, httptools) is measured from outside by the
 runner's bare-ASGI ceiling (``python -m loadtest.run``).
 """
@@ -32,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -62,9 +65,11 @@ def application(
     audit: bool = True,
     dev_dir: Path | None = None,
     memory_replay: bool = False,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[Any, Any]]:
     """(app, credential) of a cryptd built in a private development directory (``dev_dir``
-    when given: an existing one is reused, so no keys are generated)."""
+    when given: an existing one is reused, so no keys are generated); ``extra_env`` is set
+    last, over this function's own choices (e.g. ``CRYPTD_METRICS=false``)."""
     from service.cli.serve import prepare_dev_dir
 
     with tempfile.TemporaryDirectory(prefix="cryptd-hotpath-") as scratch:
@@ -96,6 +101,7 @@ def application(
             # The keyring generation board cryptd serve gives its workers (shared memory): its
             # comparison before every key use is part of the cost.
             os.environ["CRYPTD_RUNTIME_DIR"] = str(Path(scratch))
+            os.environ.update(extra_env or {})
             from service.api.application import create_app
             from service.config import Settings
 
@@ -345,8 +351,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-audit", action="store_true", help="audit log off")
     parser.add_argument("--callgrind", action="store_true", help="instructions per request")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--record-budget",
+        action="store_true",
+        help="measure every operation's instructions (twice) and write "
+        "loadtest/budgets/instructions.json (loadtest/instructions.py)",
+    )
+    parser.add_argument("--check-budget", action="store_true", help="this tree against that budget")
     parser.add_argument("--fixed-run", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.record_budget or args.check_budget:
+        from loadtest import instructions as guard
+
+        if args.record_budget:
+            budget = guard.record()
+            for name, entry in budget["operations"].items():
+                print(f"{name}: {entry['instructions']:,} (spread {entry['spread']:.2%})")
+            return 0
+        ok, text = guard.check(args.scenarios or None)
+        print(text)
+        return 0 if ok else 1
     if args.fixed_run:
         directory, name, requests, signed, concurrency, warmup = args.fixed_run.split(":")
         import uvloop

@@ -58,6 +58,17 @@ def tree_cpu_seconds(root: int | Sequence[int]) -> float:
     return total / _TICKS
 
 
+def process_cpu_seconds(root: int) -> dict[int, float]:
+    """User + system CPU seconds of ``root`` and each live descendant, by pid (threads counted
+    with their process): how a server's work spreads over its workers."""
+    found = {}
+    for pid in _children(root):
+        fields = _stat_fields(pid)
+        if fields is not None:
+            found[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return found
+
+
 def _peak_rss_kib(pid: int) -> int | None:
     """VmHWM of ``pid``: the peak resident set of the program it runs now (since its exec)."""
     try:

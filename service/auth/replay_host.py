@@ -74,6 +74,13 @@ _BUCKET: Final = struct.Struct(">q")
 
 Nonce = tuple[str, str, int]  # keyid, nonce, created
 Verdict = bool | StoreUnavailable  # first time, replay, or this nonce's refusal
+_Prepared = tuple[int, bytes, int, bytes]  # created, digest, bucket, packed bucket
+
+
+def _prepare(keyid: str, nonce: str, created: int) -> _Prepared:
+    digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
+    bucket = created // BUCKET_SECONDS
+    return created, digest, bucket, _BUCKET.pack(bucket)
 
 
 class ReplayStoreError(ValueError):
@@ -178,12 +185,15 @@ class HostReplayStore:
         try:
             if time.monotonic() >= self._next_sweep:
                 self._sweep(now)
+            # Hashed before the write lock is taken: the lock is the one thing every worker
+            # of the host waits for, so only the B-tree work is done holding it.
+            prepared = [_prepare(keyid, nonce, created) for keyid, nonce, created in items]
             verdicts: list[Verdict] = []
             with self._env.begin(write=True) as txn:
                 floor = _epoch(txn, self._meta) + self.max_skew
                 claimed: dict[int, int] = {}
-                for keyid, nonce, created in items:
-                    verdicts.append(self._put(txn, keyid, nonce, created, floor, claimed))
+                for entry in prepared:
+                    verdicts.append(self._put(txn, entry, floor, claimed))
             return verdicts
         except lmdb.MapFullError:
             raise StoreUnavailable("replay store full") from None
@@ -193,21 +203,17 @@ class HostReplayStore:
     def _put(
         self,
         txn: lmdb.Transaction[bytes],
-        keyid: str,
-        nonce: str,
-        created: int,
+        entry: _Prepared,
         floor: int,
         claimed: dict[int, int],
     ) -> Verdict:
         """``claimed``: slot index -> the minute this transaction found or put there; the
         nonces of one batch share one or two minutes, so each slot is read once a batch."""
+        created, digest, bucket, wanted = entry
         if created < floor:
             return StoreRecovering(floor - created)
-        digest = hashlib.blake2b(f"{keyid}:{nonce}".encode(), digest_size=16).digest()
-        bucket = created // BUCKET_SECONDS
         index = bucket % SLOTS
         if claimed.get(index) != bucket:
-            wanted = _BUCKET.pack(bucket)
             held = txn.get(_SLOT_KEYS[index], db=self._meta)
             if held != wanted:
                 if held is not None and _BUCKET.unpack(held)[0] > bucket:
