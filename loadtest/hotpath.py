@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--record-budget",
         action="store_true",
         help="measure every operation's instructions (twice) and write "
-        "loadtest/budgets/instructions.json (loadtest/instructions.py)",
+        "loadtest/budgets/instructions-<interpreter>.json (loadtest/instructions.py)",
     )
     parser.add_argument("--check-budget", action="store_true", help="this tree against that budget")
     parser.add_argument("--fixed-run", help=argparse.SUPPRESS)

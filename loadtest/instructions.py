@@ -10,7 +10,8 @@ since the previous mark at each one. ``(HIGH window - LOW window) / (HIGH - LOW)
 instruction count of one request: start-up, warm-up, signing and every fixed cost of a window
 cancel out. Instruction counts do not move with the machine's load, so the figures are a
 regression guard a shared CI machine can run (``tests/test_instruction_budget.py`` holds them
-to ``loadtest/budgets/instructions.json``) and the way to compare two trees.
+to ``loadtest/budgets/instructions-<interpreter>.json``, one file per interpreter) and the way
+to compare two trees.
 
 ``python -m loadtest.hotpath --record-budget`` re-records the budget; ``--check-budget``
 checks this tree against it. Importable: :func:`count` returns the figures of any operations.
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -31,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -49,7 +50,7 @@ CONCURRENCY: Final = 16
 # Every run sets the string hash seed: dictionary layouts, and so a few instructions per
 # lookup, otherwise change from one run to the next.
 HASH_SEED: Final = "0"
-BUDGET_FILE: Final = Path(__file__).parent / "budgets" / "instructions.json"
+BUDGET_DIR: Final = Path(__file__).parent / "budgets"
 # The parts that may cost more per request with several server workers, each switched the
 # way a worker count switches it (python -m loadtest.scaling compares them): the budget is
 # measured with the default, one worker's configuration.
@@ -516,8 +517,26 @@ class Verdict:
         )
 
 
-def load_budget(path: Path = BUDGET_FILE) -> dict[str, Any]:
-    budget: dict[str, Any] = json.loads(path.read_text())
+def budget_file(env: Mapping[str, str] | None = None) -> Path:
+    """The budget of one interpreter (``env``: default, this one's). Each interpreter that
+    runs the guard (a distribution's build, pyenv's) has its own file: no tolerance bridges
+    two builds, and the machine CI runs on decides which one is checked there."""
+    env = environment() if env is None else env
+    build = hashlib.sha256(interpreter(env).encode()).hexdigest()[:8]
+    name = f"{env.get('implementation', '?')}-{env.get('python', '?')}-{build}".lower()
+    return BUDGET_DIR / f"instructions-{name}.json"
+
+
+def recorded_interpreters() -> list[str]:
+    """The interpreters a budget is committed for."""
+    return sorted(
+        interpreter(json.loads(path.read_text())["environment"])
+        for path in BUDGET_DIR.glob("instructions-*.json")
+    )
+
+
+def load_budget(path: Path | None = None) -> dict[str, Any]:
+    budget: dict[str, Any] = json.loads((path or budget_file()).read_text())
     return budget
 
 
@@ -538,14 +557,17 @@ def judge(budget: Mapping[str, Any], measured: Mapping[str, float]) -> list[Verd
     ]
 
 
-def report(verdicts: Sequence[Verdict], tolerance: float, env_changes: Sequence[str]) -> str:
+def report(
+    verdicts: Sequence[Verdict],
+    tolerance: float,
+    env_changes: Sequence[str],
+    path: Path | None = None,
+) -> str:
     over = [v for v in verdicts if v.over(tolerance)]
     lines = []
     if over:
-        lines.append(
-            f"over the instruction budget (tolerance +{tolerance:.0%}, "
-            f"{BUDGET_FILE.relative_to(BUDGET_FILE.parent.parent.parent)}):"
-        )
+        where = (path or budget_file()).relative_to(BUDGET_DIR.parent.parent)
+        lines.append(f"over the instruction budget (tolerance +{tolerance:.0%}, {where}):")
         lines.extend(f"  {v.describe()}" for v in over)
     else:
         lines.append(f"every operation within its budget (+{tolerance:.0%})")
@@ -562,17 +584,17 @@ def report(verdicts: Sequence[Verdict], tolerance: float, env_changes: Sequence[
     return "\n".join(lines)
 
 
-def record(path: Path = BUDGET_FILE, tolerance: float = 0.04, runs: int = 2) -> dict[str, Any]:
+def record(path: Path | None = None, tolerance: float = 0.04, runs: int = 2) -> dict[str, Any]:
     """Measure every operation ``runs`` times and write the budget."""
     names = [op.name for op in OPERATIONS]
-    # Side by side: each run is one process, and callgrind serialises its threads anyway.
-    with ThreadPoolExecutor(runs) as pool:
-        rounds = list(pool.map(lambda _: count(names), range(runs)))
+    # One after the other: each run first builds its development state in this process,
+    # through the environment, which two threads would share.
+    rounds = [count(names) for _ in range(runs)]
     return write_budget(rounds, path, tolerance)
 
 
 def write_budget(
-    rounds: Sequence[Mapping[str, float]], path: Path = BUDGET_FILE, tolerance: float = 0.04
+    rounds: Sequence[Mapping[str, float]], path: Path | None = None, tolerance: float = 0.04
 ) -> dict[str, Any]:
     """The budget of these measurements of every operation: the largest count of each, and
     the spread between the runs (what the tolerance must cover)."""
@@ -596,18 +618,19 @@ def write_budget(
         "environment": environment(),
         "operations": operations,
     }
+    path = path or budget_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(budget, indent=2) + "\n")
     return budget
 
 
-def check(names: Sequence[str] | None = None, path: Path = BUDGET_FILE) -> tuple[bool, str]:
+def check(names: Sequence[str] | None = None, path: Path | None = None) -> tuple[bool, str]:
     """(within budget, the report) for this tree."""
     budget = load_budget(path)
     chosen = list(names or budget["operations"])
     verdicts = judge(budget, count(chosen))
     tolerance = float(budget["tolerance"])
-    text = report(verdicts, tolerance, differences(budget["environment"], environment()))
+    text = report(verdicts, tolerance, differences(budget["environment"], environment()), path)
     return not any(v.over(tolerance) for v in verdicts), text
 
 
