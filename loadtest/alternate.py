@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import orjson
+
 from loadtest.measure import Measurement, run_wrk
 from loadtest.plan import Topology
 from loadtest.targets import Cryptd
@@ -67,6 +69,28 @@ def median_ratio(values: Sequence[float], reference: Sequence[float]) -> float:
     return statistics.median(
         v / r if r else float("nan") for v, r in zip(values, reference, strict=True)
     )
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def stamp() -> str:
+    """The run's UTC time as its reports name it."""
+    return f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+
+
+def publish(
+    kind: str, summary: dict[str, object], text: str, when: str, out: Path | None, keep: bool
+) -> Path:
+    """The run's JSON as loadtest/results/KIND-WHEN.json (or ``out``), ``text`` printed and,
+    with ``keep``, recorded under docs/results/ too."""
+    out = out or RESULTS_DIR / f"{kind}-{when}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print(text + f"\nreport: {out}")
+    if keep:
+        print(f"recorded {record(kind, text)}", file=sys.stderr)
+    return out
 
 
 def record(kind: str, text: str, when: dt.datetime | None = None) -> Path:

@@ -19,7 +19,6 @@ in CI. The alternation is loadtest/alternate.py's, shared with loadtest/seal_par
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,6 @@ from loadtest.phase import describe, rsa_sign_us
 from loadtest.plan import Topology, make_topology
 from loadtest.targets import Cryptd
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GOAL = 0.10  # the most the trail may cost of AES-GCM encrypt throughput per core
 
 
@@ -163,14 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         audit_dir.mkdir(parents=True, exist_ok=True)
         report = measure(topology, args.rounds, args.duration, args.connections, audit_dir, work)
     summary = report.summary()
-    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
-    out = args.out or RESULTS / f"audit-cost-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    stamp = alternate.stamp()
     text = markdown(report, args, stamp)
-    print(text + f"\nreport: {out}")
-    if args.record:
-        print(f"recorded {alternate.record('audit-cost', text)}", file=sys.stderr)
+    alternate.publish("audit-cost", summary, text, stamp, args.out, args.record)
     return 0 if summary["met"] else 1
 
 

@@ -19,7 +19,6 @@ The report (JSON) goes to ``loadtest/results/``; with ``--record`` the summary i
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
@@ -29,8 +28,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from loadtest import alternate
 from loadtest.measure import Measurement, run_wrk
@@ -46,7 +43,6 @@ from service.keys.masterkey import MasterKey
 from service.keys.records import wrap_version
 from service.stores import open_store
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GOAL = 2.0  # P99 while rotating, at most this many times the quiet P99
 TYPE = "aes256-gcm"
 
@@ -207,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         finally:
             server.stop()
-    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    stamp = alternate.stamp()
     summary = {
         "topology": topology.summary(),
         "phase": describe(rsa_sign_us()),
@@ -218,13 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": rounds,
         **verdict(rounds),
     }
-    out = args.out or RESULTS / f"rotation-load-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    text = markdown(summary, args, stamp)
-    print(text + f"\nreport: {out}")
-    if args.record:
-        print(f"recorded {alternate.record('rotation-load', text)}", file=sys.stderr)
+    alternate.publish(
+        "rotation-load", summary, markdown(summary, args, stamp), stamp, args.out, args.record
+    )
     return 0 if summary["met"] else 1
 
 

@@ -16,14 +16,11 @@ The report (JSON) goes to ``loadtest/results/``; with ``--record`` the summary i
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from loadtest import alternate
 from loadtest.alternate import per_core
@@ -31,7 +28,6 @@ from loadtest.phase import describe, rsa_sign_us
 from loadtest.plan import make_topology
 from loadtest.seals import SEALS, sealed_server
 
-RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = "static"
 
 
@@ -108,20 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for server in servers:
                 server.stop()
     verdict = judge(per_round, args.seals, args.tolerance)
-    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    stamp = alternate.stamp()
     summary = {
         "topology": topology.summary(),
         "phase": describe(rsa_sign_us()),
         "rounds": per_round,
         **verdict,
     }
-    out = args.out or RESULTS / f"seal-parity-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    text = markdown(summary, args, stamp)
-    print(text + f"\nreport: {out}")
-    if args.record:
-        print(f"recorded {alternate.record('seal-parity', text)}", file=sys.stderr)
+    alternate.publish(
+        "seal-parity", summary, markdown(summary, args, stamp), stamp, args.out, args.record
+    )
     return 0 if verdict["met"] else 1
 
 

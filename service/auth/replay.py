@@ -6,6 +6,10 @@ HostReplayStore` lets the worker processes of one host share it without a server
 authenticated requests reach a store, so an attacker cannot fill it with nonces of requests
 it could not sign.
 
+One job (over 400 lines): the replay-store interface and its memory and Redis stores, which
+share the epoch rule below and the primary-identity check that a failover must not bypass;
+the Redis connection itself is in redis_client.py, the host store in replay_host.py.
+
 A store that starts empty while requests were accepted before it existed (Redis restarted, a
 new host store) cannot tell those requests' replays from fresh ones. Redis and the host store
 therefore keep an *epoch*, the time they started, and refuse every request created before

@@ -14,24 +14,15 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from cryptd_client import CryptdAPIError, CryptdClient, CryptdConnectionError, KeyMetadata
 from service.cli.keys import read_material, settings_from_args
 from service.crypto.registry import KEY_TYPES
+from service.operations import OpName
 
-OPERATIONS = (
-    "encrypt",
-    "decrypt",
-    "sign",
-    "verify",
-    "rewrap",
-    "datakey",
-    "hmac",
-    "encapsulate",
-    "decapsulate",
-    "random",
-)
+# The service's crypto operations (one list: operations.OpName), and random bytes.
+OPERATIONS = (*get_args(OpName), "random")
 KEY_COMMANDS = (
     "keys",
     "key",
