@@ -320,6 +320,9 @@ class Settings(SealSettings):
     audit_checkpoint_records: int = Field(default=1000, ge=1, le=1_000_000)
     audit_checkpoint_interval: float = Field(default=10.0, gt=0, le=3600)
     audit_max_bytes: int = Field(default=0, ge=0)
+    # How long a record may wait for the requests still running on its worker to join its
+    # fdatasync (group commit, as PostgreSQL's commit_delay); 0: sync at once.
+    audit_group_delay_ms: float = Field(default=1.0, ge=0, le=1000)
     audit_hmac_key_names: bool = False  # key names as HMACs too (the salt is the deployment's)
     # The checkpoint signing key's type when the service makes it (an existing key keeps its).
     audit_signing_key_type: Literal["ed25519", "sm2"] = "ed25519"

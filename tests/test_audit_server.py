@@ -7,6 +7,7 @@ import base64
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -339,3 +340,45 @@ def test_sighup_rotates_and_the_chain_holds(audited: tuple[Server, Path]) -> Non
     assert rotated
     result = cli_verify(server, audit_files(logs), "--partial")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_request_leaves_the_group_commit_waiting(tmp_path: Path) -> None:
+    """Every request counted as running (so that records wait for it to share a sync) stops
+    being counted when it ends, whatever way it ends: with a group delay of a second, each
+    answer after a mix of refused, malformed, oversized and abandoned requests still comes at
+    once (a request left counted would hold every later record for the full second)."""
+    logs = tmp_path / "audit"
+    logs.mkdir()
+    env = {
+        "CRYPTD_AUDIT_LOG": str(logs / "audit.log"),
+        "CRYPTD_AUDIT_FAIL_CLOSED": "true",
+        "CRYPTD_AUDIT_GROUP_DELAY_MS": "1000",
+        "CRYPTD_MAX_BODY_BYTES": "4096",
+    }
+    server = start_server(tmp_path, env)
+    try:
+        item = {"plaintext": b64(PLAINTEXT)}
+        assert call(server, "POST", "/v1/encrypt/aes256-gcm", item).status_code == 200
+        assert call(server, "POST", "/v1/encrypt/aes256-gcm", item, sign=False).status_code == 401
+        assert call(server, "POST", "/v1/encrypt/no-such-key", item).status_code == 404
+        assert call(server, "POST", "/v1/encrypt/aes256-gcm", raw=b"{").status_code == 400
+        big = {"plaintext": b64("x" * 8192)}
+        assert call(server, "POST", "/v1/encrypt/aes256-gcm", big).status_code == 413
+        assert call(server, "GET", "/v1/keys/aes256-gcm").status_code == 200
+        host, port = server.url.removeprefix("http://").split(":")
+        for _ in range(3):  # clients that leave in the middle of their body
+            with socket.create_connection((host, int(port)), timeout=5) as gone:
+                gone.sendall(
+                    b"POST /v1/encrypt/aes256-gcm HTTP/1.1\r\nhost: x\r\n"
+                    b'content-type: application/json\r\ncontent-length: 1000\r\n\r\n{"plain'
+                )
+        time.sleep(0.3)
+        took = []
+        for _ in range(10):
+            started = time.monotonic()
+            assert call(server, "POST", "/v1/encrypt/aes256-gcm", item).status_code == 200
+            took.append(time.monotonic() - started)
+        # A request left counted makes every answer wait the second; a busy machine, a few.
+        assert sorted(took)[5] < 0.5, took
+    finally:
+        stop_server(server)

@@ -114,6 +114,79 @@ async def test_many_waiting_records_share_one_write(
     assert 1 <= syncs < 100, syncs
 
 
+def counted_syncs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each real fdatasync returned (monotonic)."""
+    done: list[float] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        real(fd)
+        done.append(time.monotonic())
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    return done
+
+
+async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit across requests that end at different moments: the first record waits for
+    the requests still running (up to the group delay) and all three share one sync."""
+    audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
+    syncs = counted_syncs(monkeypatch)
+    try:
+        for _ in range(3):
+            audit.begin()
+        first = asyncio.ensure_future(audit.commit(record(1), begun=True))
+        await asyncio.sleep(0.2)
+        assert not first.done(), "synced while two requests were still running"
+        second = asyncio.ensure_future(audit.commit(record(2), begun=True))
+        await asyncio.sleep(0.1)
+        assert not first.done() and not second.done()
+        assert await audit.commit(record(3), begun=True)
+        assert await first and await second
+        assert len(syncs) == 1, syncs
+    finally:
+        audit.close()
+    found = [r["request_id"] for r in records(tmp_path / "audit.log") if r["event"] == "encrypt"]
+    assert found == ["req-1", "req-2", "req-3"]
+
+
+async def test_a_request_that_leaves_without_a_record_holds_nobody_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
+    syncs = counted_syncs(monkeypatch)
+    try:
+        audit.begin()
+        audit.begin()
+        waiting = asyncio.ensure_future(audit.commit(record(1), begun=True))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        started = time.monotonic()
+        audit.end()  # its client went away before an answer was possible
+        assert await asyncio.wait_for(waiting, 2)
+        assert time.monotonic() - started < 1
+        assert len(syncs) == 1
+    finally:
+        audit.close()
+
+
+async def test_the_group_delay_bounds_the_wait_for_a_request_that_never_ends(
+    tmp_path: Path,
+) -> None:
+    audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=0.05)
+    try:
+        audit.begin()
+        audit.begin()  # still running when the test ends (a slow request)
+        started = time.monotonic()
+        assert await audit.commit(record(1), begun=True)
+        waited = time.monotonic() - started
+        assert 0.04 < waited < 1.0, waited
+    finally:
+        audit.close()
+
+
 async def test_sensitive_values_are_hmacs_an_auditor_can_match(tmp_path: Path) -> None:
     from service.operations import EncryptItem
 

@@ -41,6 +41,7 @@ class AuditedSend:
         self._body: list[bytes] = []
         self.replaced = False
         """True when the answer became 503 audit_unavailable."""
+        audit.begin()
 
     async def __call__(self, message: Any) -> None:
         if self.replaced:
@@ -78,13 +79,24 @@ class AuditedSend:
         still gets its record (``internal``)."""
         if self._held is not None and not self.committed:
             self._held = None
-            await self.audit.commit(record_of(self.scope, 500, "internal"))
+            self.committed = True
+            await self.audit.commit(record_of(self.scope, 500, "internal"), begun=True)
+
+    def close(self) -> None:
+        """The request is over: one that never committed a record (its client went away
+        before answering was possible) is no longer waited for by the others' group."""
+        if not self.committed:
+            self.committed = True
+            self.audit.end()
 
     async def _commit(self, status: int, code: str | None) -> bool:
         """Write the record; False when the answer was replaced by 503 audit_unavailable."""
         self.committed = True
         audit = self.audit
-        if await audit.commit(record_of(self.scope, status, code)) or not audit.fail_closed:
+        if (
+            await audit.commit(record_of(self.scope, status, code), begun=True)
+            or not audit.fail_closed
+        ):
             return True
         self.replaced = True
         await send_error(
@@ -172,6 +184,7 @@ def open_audit_trail(
         on_failure=on_failure,
         secondary=None if address is None else SyslogSink(*address),
         signing_key_type=settings.audit_signing_key_type,
+        group_delay=settings.audit_group_delay_ms / 1000,
     )
 
 

@@ -285,8 +285,10 @@ class RequestPipeline:
             elif audited is not None:
                 await audited.abandon()
         finally:
-            if audited is not None and audited.replaced:
-                status = 503
+            if audited is not None:
+                audited.close()
+                if audited.replaced:
+                    status = 503
             ended = perf_counter()
             if cheap is not None:
                 cheap.end(ended)

@@ -88,6 +88,7 @@ class Audit:
         on_failure: Any = None,
         secondary: Any = None,
         signing_key_type: str = checkpoint.SIGNING_KEY_TYPE,
+        group_delay: float = 0.001,
     ) -> Audit:
         """The audit trail in ``path`` (this worker's stream), its keys made on first use."""
         manager.ensure_internal_key(checkpoint.SIGNING_KEY, signing_key_type)
@@ -107,17 +108,30 @@ class Audit:
             max_bytes=max_bytes,
             on_failure=on_failure or (lambda lost: None),
             secondary=secondary,
+            group_delay=group_delay,
         )
         audit.enabled = True
         audit.fail_closed = fail_closed
         return audit
 
-    async def commit(self, record: RequestRecord) -> bool:
+    def begin(self) -> None:
+        """A request whose record will follow has started (the trail groups its sync with the
+        records of the requests still running)."""
+        if self.trail is not None:
+            self.trail.begin()
+
+    def end(self) -> None:
+        """A request counted by :meth:`begin` ended without a record."""
+        if self.trail is not None:
+            self.trail.end()
+
+    async def commit(self, record: RequestRecord, *, begun: bool = False) -> bool:
         """True once ``record`` is durable (at once for stderr); False when it could not be
-        written (the caller refuses the request when :attr:`fail_closed`)."""
+        written (the caller refuses the request when :attr:`fail_closed`). ``begun``: the
+        request was counted by :meth:`begin`."""
         trail = self.trail
         if trail is not None:
-            return await trail.commit(record)
+            return await trail.commit(record, begun=begun)
         if self._writer is not None:
             self._writer.write((self._stderr_line, (record,)), wait=True)
         return True
