@@ -74,8 +74,11 @@ class Report:
         }
 
 
-def audit_env(directory: Path) -> dict[str, str]:
-    return {"CRYPTD_AUDIT_LOG": str(directory / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"}
+def audit_env(directory: Path, group_delay_ms: float | None = None) -> dict[str, str]:
+    env = {"CRYPTD_AUDIT_LOG": str(directory / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"}
+    if group_delay_ms is not None:
+        env["CRYPTD_AUDIT_GROUP_DELAY_MS"] = f"{group_delay_ms:g}"
+    return env
 
 
 def audit_files(directory: Path) -> list[str]:
@@ -103,12 +106,20 @@ def verify_trail(server: Cryptd, files: Sequence[str]) -> subprocess.CompletedPr
 
 
 def measure(
-    topology: Topology, rounds: int, duration: float, connections: int, audit_dir: Path, work: Path
+    topology: Topology,
+    rounds: int,
+    duration: float,
+    connections: int,
+    audit_dir: Path,
+    work: Path,
+    group_delay_ms: float | None = None,
 ) -> Report:
     report = Report(topology.summary(), describe(rsa_sign_us()))
     cpus = topology.server_cpus
     off = Cryptd(work / "off", env={"CRYPTD_AUDIT_LOG": "off"}, cpus=cpus, name="audit-off")
-    audited = Cryptd(work / "audited", env=audit_env(audit_dir), cpus=cpus, name="audited")
+    audited = Cryptd(
+        work / "audited", env=audit_env(audit_dir, group_delay_ms), cpus=cpus, name="audited"
+    )
     servers = (off, audited)
     try:
         for server in servers:
@@ -138,7 +149,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="alternations (default 6)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     parser.add_argument("--connections", type=int, default=16, help="wrk connections")
-    parser.add_argument("--audit-dir", type=Path, help="where the audit file goes")
+    parser.add_argument(
+        "--audit-dir", type=Path, help="where the audit files go (a new directory in it per run)"
+    )
+    parser.add_argument(
+        "--group-delay-ms",
+        type=float,
+        help="the audited server's CRYPTD_AUDIT_GROUP_DELAY_MS (default: the service's)",
+    )
     parser.add_argument("--shared-cores", action="store_true", help="no pinning")
     parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
     parser.add_argument("--server-cpus", help="CPUs of the servers (default: the rest)")
@@ -157,9 +175,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     topology = make_topology(args)
     with tempfile.TemporaryDirectory(prefix="cryptd-audit-cost-") as scratch:
         work = Path(scratch)
-        audit_dir = args.audit_dir or work / "audit"
-        audit_dir.mkdir(parents=True, exist_ok=True)
-        report = measure(topology, args.rounds, args.duration, args.connections, audit_dir, work)
+        if args.audit_dir:  # a directory of this run's own: the trail verified is this run's
+            args.audit_dir.mkdir(parents=True, exist_ok=True)
+            audit_dir = Path(tempfile.mkdtemp(prefix="audit-cost-", dir=args.audit_dir))
+        else:
+            audit_dir = work / "audit"
+            audit_dir.mkdir()
+        report = measure(
+            topology,
+            args.rounds,
+            args.duration,
+            args.connections,
+            audit_dir,
+            work,
+            args.group_delay_ms,
+        )
     summary = report.summary()
     stamp = alternate.stamp()
     text = markdown(report, args, stamp)
@@ -176,7 +206,9 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
         f"# Audit trail cost ({stamp})\n\n"
         f"- {report.topology}; {report.phase}\n"
         f"- `python -m loadtest.audit_cost --rounds {args.rounds} --duration {args.duration:g}"
-        f" --connections {args.connections}`\n"
+        f" --connections {args.connections}"
+        + (f" --group-delay-ms {args.group_delay_ms:g}" if args.group_delay_ms is not None else "")
+        + "`\n"
         f"- AES-GCM encrypt, one worker; audited: `CRYPTD_AUDIT_LOG` file, fail-closed, group"
         f" `fdatasync`\n\n"
         f"| round | audit off req/s per core | audited | ratio |\n|---|---|---|---|\n{rows}\n\n"
