@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +97,44 @@ async def test_a_sibling_commit_makes_the_next_request_read_the_store(tmp_path: 
     with pytest.raises(KeyNotFound):
         await runner.key("k")  # the board was ahead: the store was read before serving
     assert serving.keyring.generation == board.generation
+
+
+async def test_a_request_behind_the_board_is_served_by_the_check_already_reading(
+    tmp_path: Path,
+) -> None:
+    """A sibling's change raised the board and the notification's store check is reading when
+    a request arrives: that check brings the change, and the request is answered after it,
+    without a second full read of the store (which doubled the first request's wait)."""
+    board = Board(tmp_path / "keyring.board")
+    committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    committing.create("k", "aes256-gcm")
+    serving.refresh()
+    reads = 0
+    release = threading.Event()
+
+    async def slow_read(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def gated() -> Any:
+            release.wait(10)  # a store read that takes a while
+            return check()
+
+        return await asyncio.to_thread(gated)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    committing.update("k", state="disabled")
+    assert board.generation > serving.keyring.generation
+    notified = asyncio.create_task(watcher.refresh())  # the notification of the change
+    await asyncio.sleep(0.01)
+    request = asyncio.create_task(runner.key("k"))
+    await asyncio.sleep(0.01)
+    release.set()
+    _, key = await asyncio.wait_for(request, 10)
+    await notified
+    assert key.state == "disabled"
+    assert reads == 1
 
 
 async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) -> None:

@@ -67,8 +67,16 @@ class KeyringWatcher:
         keyring = self._manager.keyring
         if self._board[0] <= keyring.generation:
             return keyring
-        await self._check(self.now(), rate_limited=True)
+        # Any check that brings a verified snapshot as new as the board will do, the one in
+        # flight included (the notification of the change that raised the board usually
+        # started it just before this request): a check started after the request is waited
+        # for only when that one did not bring it. Waiting for a fresh check every time made
+        # the first request after a sibling's change wait for two full store reads.
+        await self._check(self.now(), rate_limited=True, enough=self._caught_up)
         return self._manager.caught_up()
+
+    def _caught_up(self) -> bool:
+        return self._board[0] <= self._manager.keyring.generation
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -115,9 +123,13 @@ class KeyringWatcher:
         except Exception as exc:  # the heartbeat says it again shortly
             log.warning("keyring announcement failed", extra={"error_type": type(exc).__name__})
 
-    async def _check(self, since: float, *, rate_limited: bool) -> None:
+    async def _check(
+        self, since: float, *, rate_limited: bool, enough: Callable[[], bool] | None = None
+    ) -> None:
+        """Return once a check that started at or after ``since`` is done, or as soon as
+        ``enough()`` holds after a check finished."""
         loop = asyncio.get_running_loop()
-        while self._completed_started < since:
+        while self._completed_started < since and not (enough is not None and enough()):
             task = self._task
             if task is None:
                 wait = self._task_started + self._miss_interval - loop.time()
