@@ -117,20 +117,34 @@ def render(
     lines += ["", "## Revocation across hosts", ""]
     lines += [
         "From the `PATCH {state: disabled}` answer on one host until every reachable worker of "
-        "every host refuses the key (an upper bound: a probe's round trip is included).",
+        "every host refuses the key with `409 key_disabled` (probes pinned to each worker, "
+        "released by the answer). *Probe bound*: until the last worker's refusal came back (its "
+        "round trip, and this process's CPU, in it). *After the answer*: until the last "
+        "worker's refused probe was sent (0 when every worker refused the first probe: the "
+        "change was in force when the answer left). *Confirmation*: the answer's own "
+        "`X-Cryptd-Propagation` wait, commit to every live replica enforcing the change.",
         "",
-        "| phase | rounds | P50 ms | P99 ms | max ms | encryptions served after the answer "
+        "| phase | rounds | probe bound P50 / P99 / max ms | after the answer P99 ms "
+        "| probe round trip P99 ms | confirmation P50 / P99 ms | rounds not confirmed by every "
+        "replica | encryptions served after the answer | other refusals retried "
         "| workers absent |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = ["all", *dict.fromkeys(r.phase for r in rounds)]
     for name in names:
         chosen = rounds if name == "all" else [r for r in rounds if r.phase == name]
         times = [r.seconds for r in chosen]
+        after = [r.propagation for r in chosen if r.propagation == r.propagation]
+        rtts = [r.probe_rtt for r in chosen if r.probe_rtt == r.probe_rtt]
+        waits = [r.waited for r in chosen if r.waited == r.waited]
         lines.append(
-            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} | "
-            f"{_ms(percentile(times, 0.99))} | {_ms(max(times, default=float('nan')))} | "
-            f"{sum(r.served_after for r in chosen)} | {sum(r.absent for r in chosen)} |"
+            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} / "
+            f"{_ms(percentile(times, 0.99))} / {_ms(max(times, default=float('nan')))} | "
+            f"{_ms(percentile(after, 0.99))} | {_ms(percentile(rtts, 0.99))} | "
+            f"{_ms(percentile(waits, 0.5))} / {_ms(percentile(waits, 0.99))} | "
+            f"{sum(1 for r in chosen if r.confirmed < r.replicas or not r.replicas)} | "
+            f"{sum(r.served_after for r in chosen)} | {sum(r.other_refusals for r in chosen)} | "
+            f"{sum(r.absent for r in chosen)} |"
         )
     if revocation_errors:
         lines += ["", f"Rounds that could not run ({len(revocation_errors)}), first ones:", ""]

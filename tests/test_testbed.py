@@ -18,7 +18,7 @@ import pytest
 from loadtest.faults import Timing, campaign
 from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
 from loadtest.faults_report import PhaseResult, refusals, render
-from loadtest.faults_revocation import Round
+from loadtest.faults_revocation import Round, parse_propagation
 from loadtest.testbed import down, up
 from loadtest.testbed_net import BedError, mounts_under, namespaces
 from loadtest.testbed_services import check_programs
@@ -82,15 +82,24 @@ def test_the_report_states_every_goal() -> None:
         setup={"bed": "b"},
         phases=[phase],
         outcomes=[Outcome(2.0, "encrypt", 200, False)],
-        rounds=[Round("kill-host", 0.012, 0, 6, 0), Round("steady", 0.008, 0, 6, 0)],
+        rounds=[
+            Round("kill-host", 0.012, 0, 6, 0, 0.001, 0.011, 3, 3, 0.040),
+            Round("steady", 0.008, 0, 6, 0, 0.002, 0.006, 3, 2, 0.020, other_refusals=1),
+        ],
         revocation_errors=[],
         integrity=Integrity(tokens=10, tokens_failed=0, keys=3),
         final_replay=ReplayResult(3, Counter({401: 3})),
     )
     assert "| kill-host | app2 | 1 | 1 | none | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
     assert "**1 replays in all got past" in text
-    assert "| all | 2 | 8 | 12 | 12 | 0 | 0 |" in text
+    assert "| all | 2 | 8 / 12 / 12 | 2 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text
     assert "no longer decrypting: **0**" in text
+
+
+def test_the_propagation_header_is_read_for_the_report() -> None:
+    header = 'replicas=3, confirmed=2, waited=0.043, missing=("ab12")'
+    assert parse_propagation(header) == {"replicas": 3, "confirmed": 2, "waited": 0.043}
+    assert parse_propagation(None) == {}
 
 
 # The real bed --------------------------------------------------------------------------
