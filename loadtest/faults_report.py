@@ -30,6 +30,7 @@ class PhaseResult:
     recovered_s: float | None = None  # fault -> every host ready and in the balancer again
     replay: ReplayResult | None = None
     notes: list[str] = field(default_factory=list)
+    timeline_from: float = 0.0  # wall clock of the fault, for the machines' logs (0: none)
 
     def outcomes(self, all_outcomes: list[Outcome]) -> list[Outcome]:
         return [o for o in all_outcomes if self.started <= o.at < self.ended]
@@ -57,6 +58,21 @@ def refusals(phase: PhaseResult, outcomes: list[Outcome]) -> Refusals:
         bad_5xx=sum(1 for o in failed if o.status >= 500 and o.status != 503),
         without_retry_after=sum(1 for o in failed if o.status == 503 and not o.retry_after),
     )
+
+
+def _refusal_times(phase: PhaseResult, outcomes: list[Outcome], shown: int = 8) -> str:
+    """When the refusals after the fault came (seconds after it) and what they said: a
+    first-to-last window of a few scattered refusals is not an outage."""
+    failed = [
+        o for o in phase.outcomes(outcomes) if not 200 <= o.status < 300 and o.at >= phase.fault_at
+    ]
+    if not failed:
+        return ""
+    causes = Counter(f"{o.status or 'no answer'} {o.reason}".strip() for o in failed)
+    first = ", ".join(f"+{o.at - phase.fault_at:.2f}" for o in failed[:shown])
+    more = f" (and {len(failed) - shown} more)" if len(failed) > shown else ""
+    said = "; ".join(f"{cause} x{n}" for cause, n in causes.most_common(4))
+    return f"- {phase.name}: refusals at {first} s{more}; {said}"
 
 
 def _ms(seconds: float) -> str:
@@ -100,6 +116,7 @@ def render(
             f"{r.without_retry_after} | {rec} | {replay} |"
         )
     notes = [f"- {p.name}: {n}" for p in phases for n in p.notes]
+    notes += [line for p in phases if (line := _refusal_times(p, outcomes))]
     details = [f"- {p.name}: {p.details}" for p in phases if p.details]
     if details or notes:
         lines += ["", *details, *notes]

@@ -246,10 +246,19 @@ class Authenticator:
         connection attempt (through the Sentinels: one question to them)."""
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):  # health() reports failures; the last guard
+            try:
                 health = await self.replay.health()
-                if health.ok or health.retry_after is not None:
-                    return
+            except Exception as exc:  # health() reports failures itself; the last guard
+                logger.debug("replay store check failed: %s", type(exc).__name__)
+                continue
+            if health.ok or health.retry_after is not None:
+                logger.warning(
+                    "replay store answers again (%s)",
+                    "accepting requests"
+                    if health.ok
+                    else f"refusing requests signed before its epoch for {health.retry_after} s",
+                )
+                return
 
     async def aclose(self) -> None:
         """Stop asking a store that is down (shutdown)."""
