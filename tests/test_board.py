@@ -137,6 +137,78 @@ async def test_a_request_behind_the_board_is_served_by_the_check_already_reading
     assert reads == 1
 
 
+async def test_a_notification_brought_by_the_check_under_way_costs_no_second_read(
+    tmp_path: Path,
+) -> None:
+    """The notification of generation G arrives while a check that started after the commit
+    is reading (a request behind the board started it): that check brings G, and the
+    notification's refresh, and the host's announcement, do not wait for another read."""
+    committing = _manager(tmp_path, Board(tmp_path / "one.board"))
+    serving = _manager(tmp_path, Board(tmp_path / "other.board"))
+    reads = 0
+    release = threading.Event()
+
+    async def slow_read(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def gated() -> Any:
+            release.wait(10)
+            return check()
+
+        return await asyncio.to_thread(gated)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
+    committing.create("k", "aes256-gcm")
+    generation = committing.keyring.generation
+    under_way = asyncio.create_task(watcher.refresh())  # started after the commit
+    await asyncio.sleep(0.01)
+    notified = asyncio.create_task(watcher.refresh(generation))
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(under_way, notified), 10)
+    assert serving.keyring.generation == generation
+    assert reads == 1
+    await watcher.refresh(generation)  # a notification of what is already served
+    assert reads == 1
+    await watcher.refresh()  # without a generation (a reconnection): the store is read
+    assert reads == 2
+
+
+async def test_a_change_committed_while_a_request_waits_for_the_store_does_not_refuse_it(
+    tmp_path: Path,
+) -> None:
+    """A request behind the board waits for the store; while it reads, a sibling commits one
+    more change and raises the board again. That change is concurrent with the request: it
+    is served with the generation the board had when it arrived, not refused 503 (which
+    happened, now and then, to requests on hosts whose keys changed often)."""
+    board = Board(tmp_path / "keyring.board")
+    committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    committing.create("k", "aes256-gcm")
+    serving.refresh()
+    reads = 0
+
+    async def read_then_sibling_commits(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def run() -> Any:
+            result = check()
+            if reads == 1:
+                committing.create("other", "aes256-gcm")  # raises the board after the read
+            return result
+
+        return await asyncio.to_thread(run)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=read_then_sibling_commits)
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    committing.update("k", state="disabled")
+    arrived_with = board.generation
+    keyring, key = await runner.key("k")
+    assert key.state == "disabled"  # the change acknowledged before it arrived is in force
+    assert keyring.generation == arrived_with < board.generation
+
+
 async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) -> None:
     """The store gave back an older keyring than a change acknowledged here (a failover that
     lost it): nothing is served from the older one."""
