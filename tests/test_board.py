@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,40 @@ async def test_a_change_committed_while_a_request_waits_for_the_store_does_not_r
     keyring, key = await runner.key("k")
     assert key.state == "disabled"  # the change acknowledged before it arrived is in force
     assert keyring.generation == arrived_with < board.generation
+
+
+class _InterleavedStore(FileKeyStore):
+    """The keyring file; ``before_stamp`` runs once before the next stamp is read, to put
+    another writer's commit exactly between a commit and the stamp read after it."""
+
+    before_stamp: Callable[[], object] | None = None
+
+    def stamp(self) -> Hashable:
+        hook, self.before_stamp = self.before_stamp, None
+        if hook is not None:
+            hook()
+        return super().stamp()
+
+
+def test_a_change_committed_right_after_ours_is_still_loaded(tmp_path: Path) -> None:
+    """Worker A commits; before it reads the store's stamp, worker B commits too. A stamp
+    of B's change kept beside A's snapshot made A's checks skip reading the store: A stayed
+    one change behind, answering 503 while the board was ahead, until the next change or the
+    60 s full check (seen on the test bed under key-management load)."""
+    path = tmp_path / "keyring.json"
+    initialise(FileKeyStore(path), MASTER)
+    a = KeyManager(_InterleavedStore(path), MASTER, board=Board(tmp_path / "a.board"))
+    b = KeyManager(FileKeyStore(path), MASTER, board=Board(tmp_path / "b.board"))
+    a.load()
+    b.load()
+    store = a.store
+    assert isinstance(store, _InterleavedStore)
+    store.before_stamp = lambda: b.create("from-b", "aes256-gcm")
+    a.create("from-a", "aes256-gcm")
+    assert "from-b" not in a.keyring
+    a.refresh()  # a notification's check, or the periodic one
+    assert "from-b" in a.keyring
+    assert a.keyring.generation == b.keyring.generation
 
 
 async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) -> None:

@@ -314,10 +314,11 @@ class Snapshot:
             self.board.raise_to(keyring.generation)
             self.last_reload_error = None
             self.store_unreachable = None
-            try:
-                self._stamp = self.store.stamp()
-            except KeystoreError:
-                self._stamp = _UNSET  # the next check reads the store again
+            # Not the store's stamp now: another writer may have committed since, and a stamp
+            # of its change beside this snapshot would make the next checks skip reading it
+            # (a worker stuck one change behind, refusing while the board is ahead). The next
+            # check reads the store once.
+            self._stamp = _UNSET
             log.info(
                 "keyring changed",
                 extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
@@ -373,10 +374,7 @@ class Snapshot:
             self.board.raise_to(keyring.generation)
             self.last_reload_error = None
             self.store_unreachable = None
-            try:
-                self._stamp = self.store.stamp()
-            except KeystoreError:
-                self._stamp = _UNSET
+            self._stamp = _UNSET  # as in apply(): the next check reads the store
             log.info(
                 "keyring rewrapped under a new master key",
                 extra={"generation": keyring.generation, "master_key_id": new.key_id},
