@@ -102,7 +102,7 @@ def _reason(response: httpx.Response) -> str:
     """``code: message`` of an error answer (the message cut short), or its start."""
     try:
         error = orjson.loads(response.read())["error"]
-        return f"{error['code']}: {str(error['message'])[:60]}"
+        return f"{error['code']}: {str(error['message'])[:200]}"
     except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError):
         return response.text[:60] if response.is_stream_consumed else ""
 
