@@ -23,7 +23,7 @@ from loadtest.faults_revocation import Round, parse_propagation
 from loadtest.testbed import down, up
 from loadtest.testbed_faults import failover_timeline
 from loadtest.testbed_net import BedError, mounts_under, namespaces
-from loadtest.testbed_services import check_programs
+from loadtest.testbed_services import check_programs, wait_for
 from loadtest.testbed_topology import Bed
 
 
@@ -184,8 +184,11 @@ def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
     disk = bed.disk("app1")
     disk.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "x", str(disk)], check=True)
-    assert node.pids()
-    removed = down(bed.run_dir, bed.prefix)
+    try:
+        # setsid -f returns before the process has entered the namespace: wait for it.
+        wait_for("the process in the namespace", node.pids, timeout=10)
+    finally:
+        removed = down(bed.run_dir, bed.prefix)
     assert node.namespace in removed
     assert namespaces(bed.prefix) == []
     assert not bed.run_dir.exists()
