@@ -33,9 +33,10 @@ from loadtest.faults_load import Load, ReplayResult, check_integrity, replay
 from loadtest.faults_report import PhaseResult, render
 from loadtest.faults_revocation import Revocation
 from loadtest.phase import rsa_sign_us
-from loadtest.testbed import down, up
+from loadtest.testbed import add_window_options, down, up
 from loadtest.testbed_faults import (
     cut_links,
+    failover_timeline,
     fill_disk,
     free_disk,
     kill_host,
@@ -108,6 +109,7 @@ def apply(bed: Bed, fault: str, phase: PhaseResult, timing: Timing) -> None:
     elif fault == "redis-failover":
         record = kill_redis_primary(bed)
         phase.target = record.target
+        phase.timeline_from = record.wall
         time.sleep(1)
         phase.details["restart_old_s"] = round(restart_redis(bed, record.target), 2)
     elif fault == "pg-failover":
@@ -160,6 +162,11 @@ def run_fault(
     apply(bed, fault, phase, timing)
     healthy = recovered(bed, timing.recovery_timeout)
     phase.recovered_s = None if healthy is None else healthy - phase.fault_at
+    if fault == "redis-failover" and phase.timeline_from:
+        # Seconds after the kill: detection, switch, cryptd reaching the new primary, the end
+        # of its epoch window (the refusal window the load saw is in the table).
+        promoted = str(phase.details.get("promoted", ""))
+        phase.details.update(failover_timeline(bed, phase.timeline_from, promoted))
     if fault == "redis-failover" and bed.redis_mode == "direct":
         with contextlib.suppress(Exception):
             if _redis_refused(bed):
@@ -192,9 +199,24 @@ def _redis_refused(bed: Bed) -> bool:
 @contextlib.contextmanager
 def bed_for(args: argparse.Namespace) -> Iterator[Bed]:
     if (args.run_dir / "state.json").exists():
-        yield Bed.load(args.run_dir)
+        bed = Bed.load(args.run_dir)
+        wanted = (args.redis, args.max_skew, args.down_after_ms)
+        if (bed.redis_mode, bed.max_skew, bed.sentinel_down_after_ms) != wanted:
+            raise BedError(
+                f"the bed up in {args.run_dir} has --redis {bed.redis_mode} --max-skew "
+                f"{bed.max_skew} --down-after-ms {bed.sentinel_down_after_ms}, not what was "
+                "asked: take it down first (python -m loadtest.testbed down)"
+            )
+        yield bed
         return
-    bed = Bed(args.run_dir, args.prefix, args.subnet, redis_mode=args.redis)
+    bed = Bed(
+        args.run_dir,
+        args.prefix,
+        args.subnet,
+        redis_mode=args.redis,
+        max_skew=args.max_skew,
+        sentinel_down_after_ms=args.down_after_ms,
+    )
     try:
         up(bed)
         yield bed
@@ -249,6 +271,11 @@ def campaign(
             f"({'synchronous' if bed.pg_sync else 'asynchronous'}); one network namespace each"
         ),
         "cryptd's Redis URL": f"`{bed.redis_url()}`",
+        "refusal window settings": (
+            "CRYPTD_SIGNATURE_MAX_SKEW "
+            f"{'5 (default)' if bed.max_skew is None else bed.max_skew} s, Sentinel "
+            f"down-after-milliseconds {bed.sentinel_down_after_ms}"
+        ),
         "key store URL": f"`{bed.keystore_url()}`",
         "load": (
             f"{threads} crypto threads + 1 key-management thread (cryptd_client, retries on), "
@@ -301,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default=DEFAULT_SUBNET)
     parser.add_argument("--redis", choices=("direct", "sentinel"), default="direct")
     parser.add_argument("--keep", action="store_true", help="leave a bed this run brought up")
+    add_window_options(parser)
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 
 from cryptd_client import CryptdClient
 from cryptd_client.errors import CryptdAPIError, CryptdConnectionError
@@ -40,6 +41,7 @@ class Outcome:
     operation: str
     status: int  # 0: no answer (connection refused, reset, timed out)
     retry_after: bool
+    reason: str = ""  # a refusal's error code and message, shortened
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ class Recorder:
         content = request.content
         op = operation_of(request.method, target, content)
         retry_after = "retry-after" in response.headers
+        reason = "" if response.is_success else _reason(response)
         with self.lock:
-            self.outcomes.append(Outcome(now, op, response.status_code, retry_after))
+            self.outcomes.append(Outcome(now, op, response.status_code, retry_after, reason))
             if response.is_success:
                 headers = tuple(
                     (k, v)
@@ -90,9 +93,18 @@ class Recorder:
                 )
                 self.accepted.append(Accepted(now, op, request.method, target, headers, content))
 
-    def failed(self, operation: str) -> None:
+    def failed(self, operation: str, why: str = "") -> None:
         with self.lock:
-            self.outcomes.append(Outcome(time.monotonic(), operation, 0, False))
+            self.outcomes.append(Outcome(time.monotonic(), operation, 0, False, why))
+
+
+def _reason(response: httpx.Response) -> str:
+    """``code: message`` of an error answer (the message cut short), or its start."""
+    try:
+        error = orjson.loads(response.read())["error"]
+        return f"{error['code']}: {str(error['message'])[:200]}"
+    except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError):
+        return response.text[:60] if response.is_stream_consumed else ""
 
 
 class RecordingClient(CryptdClient):
@@ -182,10 +194,10 @@ class Load:
                         c.sign_batch(SIGN_KEY, [secrets.token_bytes(16) for _ in range(BATCH)])
                 except CryptdAPIError:
                     pass  # recorded by the hook
-                except (CryptdConnectionError, httpx.HTTPError):
+                except (CryptdConnectionError, httpx.HTTPError) as exc:
                     # No answer (the client retries refused connections, not a read that
                     # timed out: the request may have been served).
-                    recorder.failed(op)
+                    recorder.failed(op, type(exc).__name__)
 
     def _keys(self) -> None:
         recorder = self.recorder
@@ -203,8 +215,8 @@ class Load:
                     c.update_key(name, state="enabled")
                 except CryptdAPIError:
                     pass
-                except (CryptdConnectionError, httpx.HTTPError):
-                    recorder.failed("key-management")
+                except (CryptdConnectionError, httpx.HTTPError) as exc:
+                    recorder.failed("key-management", type(exc).__name__)
                 self._stop.wait(0.05)
 
     def _ack(self, name: str, version: int) -> None:

@@ -30,6 +30,7 @@ class PhaseResult:
     recovered_s: float | None = None  # fault -> every host ready and in the balancer again
     replay: ReplayResult | None = None
     notes: list[str] = field(default_factory=list)
+    timeline_from: float = 0.0  # wall clock of the fault, for the machines' logs (0: none)
 
     def outcomes(self, all_outcomes: list[Outcome]) -> list[Outcome]:
         return [o for o in all_outcomes if self.started <= o.at < self.ended]
@@ -57,6 +58,21 @@ def refusals(phase: PhaseResult, outcomes: list[Outcome]) -> Refusals:
         bad_5xx=sum(1 for o in failed if o.status >= 500 and o.status != 503),
         without_retry_after=sum(1 for o in failed if o.status == 503 and not o.retry_after),
     )
+
+
+def _refusal_times(phase: PhaseResult, outcomes: list[Outcome], shown: int = 8) -> str:
+    """When the refusals after the fault came (seconds after it) and what they said: a
+    first-to-last window of a few scattered refusals is not an outage."""
+    failed = [
+        o for o in phase.outcomes(outcomes) if not 200 <= o.status < 300 and o.at >= phase.fault_at
+    ]
+    if not failed:
+        return ""
+    causes = Counter(f"{o.status or 'no answer'} {o.reason}".strip() for o in failed)
+    first = ", ".join(f"+{o.at - phase.fault_at:.2f}" for o in failed[:shown])
+    more = f" (and {len(failed) - shown} more)" if len(failed) > shown else ""
+    said = "; ".join(f"{cause} x{n}" for cause, n in causes.most_common(4))
+    return f"- {phase.name}: refusals at {first} s{more}; {said}"
 
 
 def _ms(seconds: float) -> str:
@@ -100,6 +116,7 @@ def render(
             f"{r.without_retry_after} | {rec} | {replay} |"
         )
     notes = [f"- {p.name}: {n}" for p in phases for n in p.notes]
+    notes += [line for p in phases if (line := _refusal_times(p, outcomes))]
     details = [f"- {p.name}: {p.details}" for p in phases if p.details]
     if details or notes:
         lines += ["", *details, *notes]
@@ -117,20 +134,34 @@ def render(
     lines += ["", "## Revocation across hosts", ""]
     lines += [
         "From the `PATCH {state: disabled}` answer on one host until every reachable worker of "
-        "every host refuses the key (an upper bound: a probe's round trip is included).",
+        "every host refuses the key with `409 key_disabled` (probes pinned to each worker, "
+        "released by the answer). *Probe bound*: until the last worker's refusal came back (its "
+        "round trip, and this process's CPU, in it). *After the answer*: until the last "
+        "worker's refused probe was sent (0 when every worker refused the first probe: the "
+        "change was in force when the answer left). *Confirmation*: the answer's own "
+        "`X-Cryptd-Propagation` wait, commit to every live replica enforcing the change.",
         "",
-        "| phase | rounds | P50 ms | P99 ms | max ms | encryptions served after the answer "
+        "| phase | rounds | probe bound P50 / P99 / max ms | after the answer P99 ms "
+        "| probe round trip P99 ms | confirmation P50 / P99 ms | rounds not confirmed by every "
+        "replica | encryptions served after the answer | other refusals retried "
         "| workers absent |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = ["all", *dict.fromkeys(r.phase for r in rounds)]
     for name in names:
         chosen = rounds if name == "all" else [r for r in rounds if r.phase == name]
         times = [r.seconds for r in chosen]
+        after = [r.propagation for r in chosen if r.propagation == r.propagation]
+        rtts = [r.probe_rtt for r in chosen if r.probe_rtt == r.probe_rtt]
+        waits = [r.waited for r in chosen if r.waited == r.waited]
         lines.append(
-            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} | "
-            f"{_ms(percentile(times, 0.99))} | {_ms(max(times, default=float('nan')))} | "
-            f"{sum(r.served_after for r in chosen)} | {sum(r.absent for r in chosen)} |"
+            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} / "
+            f"{_ms(percentile(times, 0.99))} / {_ms(max(times, default=float('nan')))} | "
+            f"{_ms(percentile(after, 0.99))} | {_ms(percentile(rtts, 0.99))} | "
+            f"{_ms(percentile(waits, 0.5))} / {_ms(percentile(waits, 0.99))} | "
+            f"{sum(1 for r in chosen if r.confirmed < r.replicas or not r.replicas)} | "
+            f"{sum(r.served_after for r in chosen)} | {sum(r.other_refusals for r in chosen)} | "
+            f"{sum(r.absent for r in chosen)} |"
         )
     if revocation_errors:
         lines += ["", f"Rounds that could not run ({len(revocation_errors)}), first ones:", ""]

@@ -2,11 +2,26 @@
 
 A round: create a key on one host, have every worker of every host encrypt under it (one
 kept-alive connection pinned to each worker, found through ``/readyz``'s worker index), set it
-``disabled`` with a PATCH on one host, and the moment that answer arrives let every worker's
-probe encrypt under it until refused. Recorded: the time from the answer to the last worker's
-first refusal back (an upper bound: the probe's round trip is in it) and any encryption sent
-after the answer that was served (goal 0). A worker that cannot be reached (its host killed or
-cut off) sits the round out and is counted.
+``disabled`` with a PATCH on one host, and the moment that answer arrives release every
+worker's probe (threads started before the PATCH, waiting on an event) to encrypt under it
+until refused with ``409 key_disabled``; any other refusal (503 overloaded, 429) says nothing
+about the key and is retried, counted apart.
+
+Recorded per round, so that the mechanism and the probes are told apart:
+
+- ``seconds``: the answer to the last worker's first ``key_disabled`` back: an upper bound on
+  the propagation, with the probe's round trip (and, on a busy machine, the wait for this
+  process's GIL and CPU) in it;
+- ``propagation``: the answer until the last worker's first refused probe was *sent*: how long
+  after the answer some worker still had to be asked (the thread's wake-up when the first probe
+  was refused, which is the design: the answer waits for every replica's confirmation);
+- ``probe_rtt``: the slowest lane's refused probe, sent to answered;
+- ``confirmed``, ``replicas``, ``waited``: the PATCH answer's ``X-Cryptd-Propagation`` (the
+  product's own statement that every live replica enforced the change before it answered, and
+  how long that took from the commit);
+- ``served_after``: encryptions sent after the answer that were served (goal 0).
+
+A worker that cannot be reached (its host killed or cut off) sits the round out and is counted.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from service.auth.signature import sign_request
 
 PLAINTEXT = base64.b64encode(b"revocation probe").decode()
 PROBE_TIMEOUT = 10.0
+REFUSED = (409, "key_disabled")  # the refusal a disabled key gets; anything else is retried
 
 
 @dataclass
@@ -44,14 +60,42 @@ class Lane:
     def encrypt(self, key: str) -> int:
         return self.send("POST", f"/v1/encrypt/{key}", {"plaintext": PLAINTEXT}).status_code
 
+    def verdict(self, key: str) -> tuple[int, str]:
+        """The status and error code of one encryption under ``key`` ("" when served)."""
+        answer = self.send("POST", f"/v1/encrypt/{key}", {"plaintext": PLAINTEXT})
+        if answer.status_code == 200:
+            return 200, ""
+        try:
+            code = str(orjson.loads(answer.content)["error"]["code"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            code = ""
+        return answer.status_code, code
+
+
+def parse_propagation(header: str | None) -> dict[str, float]:
+    """``X-Cryptd-Propagation``'s numbers (replicas, confirmed, waited); {} when absent."""
+    found: dict[str, float] = {}
+    for item in (header or "").split(","):
+        name, _, value = item.strip().partition("=")
+        if name in ("replicas", "confirmed", "waited"):
+            with contextlib.suppress(ValueError):
+                found[name] = float(value)
+    return found
+
 
 @dataclass
 class Round:
     phase: str
-    seconds: float  # answer -> last worker's first refusal
+    seconds: float  # answer -> last worker's first key_disabled back (probe round trip in it)
     served_after: int
     lanes: int
     absent: int  # workers that could not be reached this round
+    propagation: float = float("nan")  # answer -> last worker's first refused probe sent
+    probe_rtt: float = float("nan")  # the slowest lane's refused probe, sent -> answered
+    replicas: int = 0  # the PATCH answer's X-Cryptd-Propagation
+    confirmed: int = 0
+    waited: float = float("nan")  # the answer's wait for the other replicas (commit on)
+    other_refusals: int = 0  # probes refused for something else than the key (503, 429)
 
 
 @dataclass
@@ -132,29 +176,55 @@ class Revocation:
                 while lane.encrypt(key) != 200 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 live.append(lane)
-        answer = acting.send("PATCH", f"/v1/keys/{key}", {"state": "disabled"})
-        answered = time.monotonic()
-        if answer.status_code != 200:
-            raise RuntimeError(f"disable answered {answer.status_code}")
-        refused_at: dict[str, float] = {}
+        refused: dict[str, tuple[float, float]] = {}  # lane -> (sent, answered)
         served = [0]
+        others = [0]
+        go = threading.Event()
+        answered = [0.0]
 
         def probe(lane: Lane) -> None:
-            deadline = time.monotonic() + PROBE_TIMEOUT
+            if not go.wait(PROBE_TIMEOUT):
+                return
+            deadline = answered[0] + PROBE_TIMEOUT
             with contextlib.suppress(httpx.HTTPError):
                 while time.monotonic() < deadline:
-                    status = lane.encrypt(key)
+                    sent = time.monotonic()
+                    status, code = lane.verdict(key)
                     if status == 200:
                         served[0] += 1
-                        continue
-                    refused_at[lane.name] = time.monotonic()
-                    return
+                    elif (status, code) == REFUSED:
+                        refused[lane.name] = (sent, time.monotonic())
+                        return
+                    else:
+                        others[0] += 1
+                        time.sleep(0.02)
 
+        # Started before the PATCH, released by its answer: no thread start in the figures.
         threads = [threading.Thread(target=probe, args=(lane,)) for lane in live]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
-        missing = len(live) - len(refused_at)
-        last = max(refused_at.values(), default=answered)
-        return Round(phase, last - answered, served[0], len(refused_at), absent + missing)
+        try:
+            answer = acting.send("PATCH", f"/v1/keys/{key}", {"state": "disabled"})
+        finally:
+            answered[0] = time.monotonic()
+            go.set()
+            for thread in threads:
+                thread.join()
+        if answer.status_code != 200:
+            raise RuntimeError(f"disable answered {answer.status_code}")
+        header = parse_propagation(answer.headers.get("x-cryptd-propagation"))
+        missing = len(live) - len(refused)
+        last = max(refused.values(), default=(answered[0], answered[0]), key=lambda t: t[1])
+        return Round(
+            phase,
+            last[1] - answered[0],
+            served[0],
+            len(refused),
+            absent + missing,
+            propagation=max((s for s, _ in refused.values()), default=answered[0]) - answered[0],
+            probe_rtt=max((a - s for s, a in refused.values()), default=float("nan")),
+            replicas=int(header.get("replicas", 0)),
+            confirmed=int(header.get("confirmed", 0)),
+            waited=header.get("waited", float("nan")),
+            other_refusals=others[0],
+        )

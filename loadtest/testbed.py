@@ -148,6 +148,20 @@ def status(bed: Bed) -> dict[str, Any]:
     return report
 
 
+def add_window_options(parser: argparse.ArgumentParser) -> None:
+    """The settings a Redis failover's refusal window is made of (docs/SCALE.md)."""
+    parser.add_argument(
+        "--max-skew", type=int, default=None, metavar="S",
+        help="CRYPTD_SIGNATURE_MAX_SKEW of every cryptd host (default: cryptd's, 5): a new "
+        "Redis primary refuses requests signed before its epoch + this",
+    )  # fmt: skip
+    parser.add_argument(
+        "--down-after-ms", type=int, default=1000, metavar="MS",
+        help="Sentinel's down-after-milliseconds (how long a silent primary takes to be "
+        "declared down)",
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def running(bed: Bed) -> Iterator[Bed]:
     """A bed brought up for the block and taken down after it, whatever happens."""
@@ -173,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "with Sentinel support)",
     )  # fmt: skip
     parser.add_argument("--pg-async", action="store_true", help="no synchronous standby")
+    add_window_options(parser)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("the test bed needs root (network namespaces, mounts)", file=sys.stderr)
@@ -187,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(json.dumps(status(Bed.load(args.run_dir)), indent=2, default=str))
         return 0
-    bed = Bed(args.run_dir, args.prefix, args.subnet, args.workers, args.redis, not args.pg_async)
+    bed = Bed(
+        args.run_dir,
+        args.prefix,
+        args.subnet,
+        args.workers,
+        args.redis,
+        not args.pg_async,
+        max_skew=args.max_skew,
+        sentinel_down_after_ms=args.down_after_ms,
+    )
     started = time.monotonic()
     try:
         up(bed)

@@ -5,6 +5,7 @@ would make afterwards. Every function returns what it did and how long the parts
   cut), then start it again.
 - :func:`kill_redis_primary`: SIGKILL the Redis primary; the Sentinels promote the replica.
   :func:`restart_redis` brings the old one back (Sentinel makes it a replica).
+  :func:`failover_timeline` says afterwards where the refusal window went.
 - :func:`kill_pg_primary`: SIGKILL the PostgreSQL primary and promote the standby (``pg_ctl
   promote``; the new primary stops waiting for a synchronous standby it no longer has).
   :func:`rebuild_pg_standby` makes the old one a fresh standby of the new primary.
@@ -18,7 +19,9 @@ would make afterwards. Every function returns what it did and how long the parts
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +39,9 @@ from loadtest.testbed_services import (
     redis_start,
     wait_for,
 )
-from loadtest.testbed_topology import APPS, PGS, REDISES, Bed
+from loadtest.testbed_topology import APPS, PGS, REDISES, SENTINELS, Bed
+from service.auth.replay import KEY_PREFIX
+from service.auth.signature import DEFAULT_MAX_SKEW
 
 
 @dataclass
@@ -48,6 +53,7 @@ class FaultRecord:
     started: float
     ended: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
+    wall: float = 0.0  # time.time() when the fault struck (for the machines' logs)
 
 
 def kill_host(bed: Bed, app: str) -> FaultRecord:
@@ -72,6 +78,7 @@ def kill_redis_primary(bed: Bed, timeout: float = 30.0) -> FaultRecord:
     if old is None:
         raise BedError("the Sentinels name no Redis primary")
     record = FaultRecord("kill -9 Redis primary", old, time.monotonic())
+    killed_wall = time.time()
     bed.node(old).kill()
     killed = time.monotonic()
     new = next(r for r in REDISES if r != old)
@@ -83,7 +90,60 @@ def kill_redis_primary(bed: Bed, timeout: float = 30.0) -> FaultRecord:
     wait_for(f"Sentinel promoting {new}", promoted, timeout)
     record.ended = time.monotonic()
     record.details.update(promoted=new, promotion_s=round(record.ended - killed, 3))
+    record.wall = killed_wall
     return record
+
+
+# A Sentinel log line: "<pid>:X 05 Dec 2026 10:36:20.302 * +switch-master cryptd ...".
+_SENTINEL_EVENT = re.compile(
+    r"^\d+:X (\d\d \w{3} \d{4} \d\d:\d\d:\d\d\.\d{3}) . "
+    r"(\+sdown master|\+odown master|\+switch-master) "
+)
+_REACHED = "replay store answers again"
+
+
+def failover_timeline(bed: Bed, killed: float, new: str) -> dict[str, float]:
+    """Where a Redis failover's refusal window went, in seconds after the kill (``killed``:
+    wall clock): the Sentinels' detection (first ``+sdown`` and ``+odown`` of the master) and
+    switch (``+switch-master``), from their logs; cryptd reaching the new primary (each host's
+    first "replay store answers again" after the kill, at most 0.1 s late: the first and the
+    last host); the end of the new primary's epoch window (its epoch plus the hosts' max skew:
+    the first signature time it accepts). Call it once the window is over."""
+    found: dict[str, float] = {}
+    names = {"+sdown master": "sdown_s", "+odown master": "odown_s", "+switch-master": "switch_s"}
+    for sentinel in SENTINELS:
+        log = bed.directory(sentinel) / "sentinel.log"
+        with contextlib.suppress(OSError):
+            for line in log.read_text(errors="replace").splitlines():
+                match = _SENTINEL_EVENT.match(line)
+                if match is None:
+                    continue
+                # Sentinel writes local time, to the millisecond.
+                at = datetime.datetime.strptime(match[1], "%d %b %Y %H:%M:%S.%f").timestamp()
+                name = names[match[2]]
+                if at >= killed - 0.01 and at - killed < found.get(name, float("inf")):
+                    found[name] = at - killed
+    reached: list[float] = []
+    for app in APPS:
+        with contextlib.suppress(OSError):
+            text = (bed.directory(app) / "cryptd.log").read_text(errors="replace")
+            for line in text.splitlines():
+                if _REACHED not in line or not line.startswith('{"ts":"'):
+                    continue
+                stamp = line[7 : line.index('"', 7)].replace("Z", "+00:00")
+                at = datetime.datetime.fromisoformat(stamp).timestamp()
+                if at >= killed:
+                    reached.append(at - killed)
+                    break
+    if reached:
+        found["cryptd_reached_first_s"] = min(reached)
+        found["cryptd_reached_last_s"] = max(reached)
+    with contextlib.suppress(Exception):
+        epoch = redis_client(bed, new).get(f"{KEY_PREFIX}epoch")
+        skew = bed.max_skew if bed.max_skew is not None else DEFAULT_MAX_SKEW
+        if epoch is not None:
+            found["epoch_window_end_s"] = int(epoch) + skew - killed
+    return {name: round(value, 3) for name, value in found.items()}
 
 
 def restart_redis(bed: Bed, role: str) -> float:

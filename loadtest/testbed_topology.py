@@ -77,6 +77,10 @@ class Bed:
     workers: int = 2
     redis_mode: str = "direct"  # "direct": redis:// to the primary; "sentinel": redis+sentinel://
     pg_sync: bool = True  # synchronous_standby_names = 'ANY 1 (*)' on the primary
+    # CRYPTD_SIGNATURE_MAX_SKEW of every host (None: cryptd's default, 5 s). A Redis failover's
+    # refusal window ends at the new primary's epoch plus this (docs/SCALE.md).
+    max_skew: int | None = None
+    sentinel_down_after_ms: int = 1000  # Sentinel's down-after-milliseconds (detection)
     python: str = sys.executable
 
     # Topology ---------------------------------------------------------------------------

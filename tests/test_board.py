@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +97,150 @@ async def test_a_sibling_commit_makes_the_next_request_read_the_store(tmp_path: 
     with pytest.raises(KeyNotFound):
         await runner.key("k")  # the board was ahead: the store was read before serving
     assert serving.keyring.generation == board.generation
+
+
+async def test_a_request_behind_the_board_is_served_by_the_check_already_reading(
+    tmp_path: Path,
+) -> None:
+    """A sibling's change raised the board and the notification's store check is reading when
+    a request arrives: that check brings the change, and the request is answered after it,
+    without a second full read of the store (which doubled the first request's wait)."""
+    board = Board(tmp_path / "keyring.board")
+    committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    committing.create("k", "aes256-gcm")
+    serving.refresh()
+    reads = 0
+    release = threading.Event()
+
+    async def slow_read(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def gated() -> Any:
+            release.wait(10)  # a store read that takes a while
+            return check()
+
+        return await asyncio.to_thread(gated)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    committing.update("k", state="disabled")
+    assert board.generation > serving.keyring.generation
+    notified = asyncio.create_task(watcher.refresh())  # the notification of the change
+    await asyncio.sleep(0.01)
+    request = asyncio.create_task(runner.key("k"))
+    await asyncio.sleep(0.01)
+    release.set()
+    _, key = await asyncio.wait_for(request, 10)
+    await notified
+    assert key.state == "disabled"
+    assert reads == 1
+
+
+async def test_a_notification_brought_by_the_check_under_way_costs_no_second_read(
+    tmp_path: Path,
+) -> None:
+    """The notification of generation G arrives while a check that started after the commit
+    is reading (a request behind the board started it): that check brings G, and the
+    notification's refresh, and the host's announcement, do not wait for another read."""
+    committing = _manager(tmp_path, Board(tmp_path / "one.board"))
+    serving = _manager(tmp_path, Board(tmp_path / "other.board"))
+    reads = 0
+    release = threading.Event()
+
+    async def slow_read(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def gated() -> Any:
+            release.wait(10)
+            return check()
+
+        return await asyncio.to_thread(gated)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
+    committing.create("k", "aes256-gcm")
+    generation = committing.keyring.generation
+    under_way = asyncio.create_task(watcher.refresh())  # started after the commit
+    await asyncio.sleep(0.01)
+    notified = asyncio.create_task(watcher.refresh(generation))
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(under_way, notified), 10)
+    assert serving.keyring.generation == generation
+    assert reads == 1
+    await watcher.refresh(generation)  # a notification of what is already served
+    assert reads == 1
+    await watcher.refresh()  # without a generation (a reconnection): the store is read
+    assert reads == 2
+
+
+async def test_a_change_committed_while_a_request_waits_for_the_store_does_not_refuse_it(
+    tmp_path: Path,
+) -> None:
+    """A request behind the board waits for the store; while it reads, a sibling commits one
+    more change and raises the board again. That change is concurrent with the request: it
+    is served with the generation the board had when it arrived, not refused 503 (which
+    happened, now and then, to requests on hosts whose keys changed often)."""
+    board = Board(tmp_path / "keyring.board")
+    committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    committing.create("k", "aes256-gcm")
+    serving.refresh()
+    reads = 0
+
+    async def read_then_sibling_commits(check: Callable[[], Any]) -> Any:
+        nonlocal reads
+        reads += 1
+
+        def run() -> Any:
+            result = check()
+            if reads == 1:
+                committing.create("other", "aes256-gcm")  # raises the board after the read
+            return result
+
+        return await asyncio.to_thread(run)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=read_then_sibling_commits)
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    committing.update("k", state="disabled")
+    arrived_with = board.generation
+    keyring, key = await runner.key("k")
+    assert key.state == "disabled"  # the change acknowledged before it arrived is in force
+    assert keyring.generation == arrived_with < board.generation
+
+
+class _InterleavedStore(FileKeyStore):
+    """The keyring file; ``before_stamp`` runs once before the next stamp is read, to put
+    another writer's commit exactly between a commit and the stamp read after it."""
+
+    before_stamp: Callable[[], object] | None = None
+
+    def stamp(self) -> Hashable:
+        hook, self.before_stamp = self.before_stamp, None
+        if hook is not None:
+            hook()
+        return super().stamp()
+
+
+def test_a_change_committed_right_after_ours_is_still_loaded(tmp_path: Path) -> None:
+    """Worker A commits; before it reads the store's stamp, worker B commits too. A stamp
+    of B's change kept beside A's snapshot made A's checks skip reading the store: A stayed
+    one change behind, answering 503 while the board was ahead, until the next change or the
+    60 s full check (seen on the test bed under key-management load)."""
+    path = tmp_path / "keyring.json"
+    initialise(FileKeyStore(path), MASTER)
+    a = KeyManager(_InterleavedStore(path), MASTER, board=Board(tmp_path / "a.board"))
+    b = KeyManager(FileKeyStore(path), MASTER, board=Board(tmp_path / "b.board"))
+    a.load()
+    b.load()
+    store = a.store
+    assert isinstance(store, _InterleavedStore)
+    store.before_stamp = lambda: b.create("from-b", "aes256-gcm")
+    a.create("from-a", "aes256-gcm")
+    assert "from-b" not in a.keyring
+    a.refresh()  # a notification's check, or the periodic one
+    assert "from-b" in a.keyring
+    assert a.keyring.generation == b.keyring.generation
 
 
 async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from service.auth.clients import ClientsFile
 from service.auth.coalesce import Coalescer
 from service.auth.redis_client import close, connect
 from service.auth.replay import (
+    KEY_PREFIX,
     SEED_SCRIPT,
     MemoryReplayStore,
     RedisReplayStore,
@@ -462,3 +463,51 @@ async def test_a_replica_whose_clock_is_behind_refuses_what_redis_calls_too_old(
     finally:
         await store.aclose()
         await close(client)
+
+
+async def test_an_unreachable_store_is_asked_again_without_traffic(tmp_path: Path) -> None:
+    """Redis dies and comes back empty while no request arrives (every host out of the
+    balancer): the authenticator reaches it by itself, so the new epoch, and with it the end
+    of the refusal window, starts at once, not at the next request or health check. A request
+    signed before the epoch plus the skew is still refused (503 recovering, never accepted)."""
+    secrets = standard_clients(tmp_path / "clients.json")
+    secret = base64.b64decode(secrets["app"])
+    with RedisServer() as private_redis:
+        client = connect(private_redis.url)
+        store = RedisReplayStore(client)
+        authenticator = Authenticator(
+            registry_provider=ClientsFile(tmp_path / "clients.json"),
+            replay=store,
+            rate_limiter=None,
+            max_age=300,
+            fail_open=False,
+        )
+        scope = {"method": "GET", "path": "/v1/keys", "query_string": b"", "state": {}}
+
+        async def send(created: int | None = None) -> None:
+            signed = sign_request("GET", "/v1/keys", "", b"", "app", secret, created=created)
+            headers = {k.lower(): v for k, v in signed.items()}
+            await authenticator.authenticate(dict(scope, state={}), headers, b"")
+
+        try:
+            await send()
+            private_redis.kill()
+            before = _now()
+            with pytest.raises(StoreUnavailable) as down:
+                await send()
+            assert not isinstance(down.value, StoreRecovering)
+            private_redis.start()
+            # No request from here on: the epoch must appear by itself.
+            deadline = time.monotonic() + 5
+            with redis.Redis.from_url(private_redis.url) as plain:
+                while plain.get(f"{KEY_PREFIX}epoch") is None:
+                    assert time.monotonic() < deadline, "nobody reached the restarted Redis"
+                    await asyncio.sleep(0.02)
+                epoch = int(plain.get(f"{KEY_PREFIX}epoch") or 0)
+            assert epoch >= before
+            with pytest.raises(StoreRecovering):
+                await send(created=before)
+        finally:
+            await authenticator.aclose()
+            await store.aclose()
+            await close(client)

@@ -6,6 +6,7 @@ they are missing the tests are skipped, under CI=true they fail."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import secrets
 import subprocess
@@ -18,10 +19,11 @@ import pytest
 from loadtest.faults import Timing, campaign
 from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
 from loadtest.faults_report import PhaseResult, refusals, render
-from loadtest.faults_revocation import Round
+from loadtest.faults_revocation import Round, parse_propagation
 from loadtest.testbed import down, up
+from loadtest.testbed_faults import failover_timeline
 from loadtest.testbed_net import BedError, mounts_under, namespaces
-from loadtest.testbed_services import check_programs
+from loadtest.testbed_services import check_programs, wait_for
 from loadtest.testbed_topology import Bed
 
 
@@ -81,16 +83,63 @@ def test_the_report_states_every_goal() -> None:
         title="t",
         setup={"bed": "b"},
         phases=[phase],
-        outcomes=[Outcome(2.0, "encrypt", 200, False)],
-        rounds=[Round("kill-host", 0.012, 0, 6, 0), Round("steady", 0.008, 0, 6, 0)],
+        outcomes=[
+            Outcome(2.0, "encrypt", 200, False),
+            Outcome(1.5, "sign", 503, True, "overloaded: replay store unavailable"),
+        ],
+        rounds=[
+            Round("kill-host", 0.012, 0, 6, 0, 0.001, 0.011, 3, 3, 0.040),
+            Round("steady", 0.008, 0, 6, 0, 0.002, 0.006, 3, 2, 0.020, other_refusals=1),
+        ],
         revocation_errors=[],
         integrity=Integrity(tokens=10, tokens_failed=0, keys=3),
         final_replay=ReplayResult(3, Counter({401: 3})),
     )
-    assert "| kill-host | app2 | 1 | 1 | none | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
+    assert "| kill-host | app2 | 2 | 1 | 503x1 | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
+    assert "- kill-host: refusals at +0.50 s; 503 overloaded: replay store unavailable x1" in text
     assert "**1 replays in all got past" in text
-    assert "| all | 2 | 8 | 12 | 12 | 0 | 0 |" in text
+    assert "| all | 2 | 8 / 12 / 12 | 2 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text
     assert "no longer decrypting: **0**" in text
+
+
+def test_the_propagation_header_is_read_for_the_report() -> None:
+    header = 'replicas=3, confirmed=2, waited=0.043, missing=("ab12")'
+    assert parse_propagation(header) == {"replicas": 3, "confirmed": 2, "waited": 0.043}
+    assert parse_propagation(None) == {}
+
+
+def test_a_failover_timeline_is_read_from_the_sentinels_and_cryptd_logs(tmp_path: Path) -> None:
+    """Seconds after the kill: the first +sdown / +odown / +switch-master of any Sentinel
+    (local time in their logs) and each host's first "replay store answers again" (UTC)."""
+    bed = Bed(tmp_path, subnet="10.9.8")
+    killed = datetime.datetime(2026, 12, 5, 10, 0, 0, tzinfo=datetime.UTC).timestamp()
+
+    def sentinel(at: float) -> str:
+        return datetime.datetime.fromtimestamp(at).strftime("%d %b %Y %H:%M:%S.%f")[:-3]
+
+    for name, offset in (("sentinel1", 0.0), ("sentinel2", 0.1), ("sentinel3", 0.2)):
+        bed.directory(name).mkdir()
+        (bed.directory(name) / "sentinel.log").write_text(
+            f"1:X {sentinel(killed - 60)} # +sdown master cryptd 10.9.8.31 6379\n"
+            f"1:X {sentinel(killed + 1.1 + offset)} # +sdown master cryptd 10.9.8.31 6379\n"
+            f"1:X {sentinel(killed + 1.2 + offset)} # +odown master cryptd 10.9.8.31 6379 #q\n"
+            f"1:X {sentinel(killed + 2.3 + offset)} # +switch-master cryptd 10.9.8.31 6379 x\n"
+        )
+    for name, offset in (("app1", 2.35), ("app2", 2.45)):
+        bed.directory(name).mkdir()
+        stamp = datetime.datetime.fromtimestamp(killed + offset, datetime.UTC)
+        ts = stamp.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        (bed.directory(name) / "cryptd.log").write_text(
+            f'{{"ts":"{ts}","level":"warning","msg":"replay store answers again (x)"}}\n'
+        )
+    timeline = failover_timeline(bed, killed, "redis2")  # no Redis: no epoch figure
+    assert timeline == {
+        "sdown_s": 1.1,
+        "odown_s": 1.2,
+        "switch_s": 2.3,
+        "cryptd_reached_first_s": 2.35,
+        "cryptd_reached_last_s": 2.45,
+    }
 
 
 # The real bed --------------------------------------------------------------------------
@@ -135,8 +184,11 @@ def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
     disk = bed.disk("app1")
     disk.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "x", str(disk)], check=True)
-    assert node.pids()
-    removed = down(bed.run_dir, bed.prefix)
+    try:
+        # setsid -f returns before the process has entered the namespace: wait for it.
+        wait_for("the process in the namespace", node.pids, timeout=10)
+    finally:
+        removed = down(bed.run_dir, bed.prefix)
     assert node.namespace in removed
     assert namespaces(bed.prefix) == []
     assert not bed.run_dir.exists()

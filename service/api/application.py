@@ -296,6 +296,8 @@ def create_app(
         loop.create_task(run_in_threadpool(manager.reload))
         audit.rotate()
 
+    authenticators: list[Authenticator] = []  # edge()'s, stopped at shutdown
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         for executor in by_kind.values():
@@ -343,6 +345,8 @@ def create_app(
             await loop_lag.close()
             for executor in by_kind.values():
                 await executor.close()
+            for authenticator in authenticators:
+                await authenticator.aclose()
             await auth.aclose()
             await run_in_threadpool(manager.store.close)
             await run_in_threadpool(seal.close)
@@ -368,6 +372,7 @@ def create_app(
             on_rejection=metrics.rejected,
             clock=clock,
         )
+        authenticators.append(authenticator)
         return RequestPipeline(
             HeadAsGet(fastapi_stack, lambda path: "GET" in allowed_methods(path)),
             endpoint=functools.partial(crypto.handle, services),

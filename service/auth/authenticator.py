@@ -17,10 +17,18 @@ the request pipeline (service/api/pipeline.py) calls :meth:`Authenticator.authen
 sends the :meth:`~Authenticator.refusal` it gets back. Nothing here logs a secret, a
 signature, or the Signature / Signature-Input values; failures are logged with their reason
 only.
+
+While the replay store cannot be reached, the authenticator asks it again every
+:data:`REACQUIRE_INTERVAL` seconds until it answers (:meth:`Authenticator.reacquire`): a new
+Redis primary's refusal window (its epoch) starts when cryptd first reaches it, and with every
+host out of the balancer (their readiness fails during the outage) nothing else would reach it
+before the next health check, which Kubernetes may send only seconds later.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -45,6 +53,8 @@ from service.errors import Overloaded, RateLimited, Unauthenticated, Unsupported
 logger = logging.getLogger("cryptd.auth")
 
 JSON = "application/json"
+# While the replay store is unreachable, it is asked this often whether it answers again.
+REACQUIRE_INTERVAL = 0.1
 WANTED_HEADERS = {name.encode("ascii"): name for name in SIGNATURE_HEADERS}
 
 Refusal = AuthError | RateLimited | StoreUnavailable | UnsupportedMediaType
@@ -92,6 +102,7 @@ class Authenticator:
         self.clock = clock
         self._store_down = False
         self._recovering_logged = False
+        self._reacquiring: asyncio.Task[None] | None = None
 
     async def authenticate(self, scope: Scope, headers: dict[str, str], body: bytes) -> Client:
         """The authenticated client of a request whose whole body is ``body``; it is also put
@@ -215,6 +226,8 @@ class Authenticator:
 
     def _unavailable(self, exc: StoreUnavailable) -> bool:
         """Logged once per outage; True when the request goes on anyway (fail-open)."""
+        if self._reacquiring is None or self._reacquiring.done():
+            self._reacquiring = asyncio.get_running_loop().create_task(self.reacquire())
         if not self._store_down:
             self._store_down = True
             logger.error(
@@ -225,6 +238,35 @@ class Authenticator:
                 else "refusing signed requests with 503",
             )
         return self.fail_open
+
+    async def reacquire(self, interval: float = REACQUIRE_INTERVAL) -> None:
+        """Ask the replay store every ``interval`` seconds until it answers: accepting requests
+        signed now, or refusing them for its epoch (a new primary reached, its window begun).
+        Started by the first request the store could not answer; a store check costs it one
+        connection attempt (through the Sentinels: one question to them)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                health = await self.replay.health()
+            except Exception as exc:  # health() reports failures itself; the last guard
+                logger.debug("replay store check failed: %s", type(exc).__name__)
+                continue
+            if health.ok or health.retry_after is not None:
+                logger.warning(
+                    "replay store answers again (%s)",
+                    "accepting requests"
+                    if health.ok
+                    else f"refusing requests signed before its epoch for {health.retry_after} s",
+                )
+                return
+
+    async def aclose(self) -> None:
+        """Stop asking a store that is down (shutdown)."""
+        if self._reacquiring is not None:
+            self._reacquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reacquiring
+            self._reacquiring = None
 
     def _rejected(self, cause: str, scope: Scope) -> None:
         logger.info("request refused: %s (peer=%s)", cause, _peer(scope))

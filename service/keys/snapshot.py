@@ -215,12 +215,18 @@ class Snapshot:
             )
             return True
 
-    def caught_up(self) -> Keyring:
+    def caught_up(self, enforced: int | None = None) -> Keyring:
         """The snapshot in memory if it is as new as this host's board; else 503: a change
         acknowledged on this host is not loaded here yet (the store could not be read, or
-        gave back an older keyring), and serving the older snapshot would undo it."""
+        gave back an older keyring), and serving the older snapshot would undo it.
+
+        ``enforced``: the board as the request found it when it arrived. A change committed
+        on this host while the request waited for the store is concurrent with it, and need
+        not apply to it; comparing with the board at the end refused such requests (503) while
+        keys changed often, though the store had brought everything they had to see."""
         keyring = self.keyring
-        enforced = self.board.generation
+        if enforced is None:
+            enforced = self.board.generation
         if enforced > keyring.generation:
             why = self.store_error or f"the store holds generation {keyring.generation}"
             raise KeystoreUnavailable(
@@ -234,9 +240,10 @@ class Snapshot:
     def current(self) -> Keyring:
         """:meth:`caught_up`, reading the store first when the board is ahead (blocking: for
         threads; the event loop goes through service.keys.watch)."""
-        if self.board.cell[0] > self.keyring.generation:
+        enforced = int(self.board.cell[0])
+        if enforced > self.keyring.generation:
             self.refresh(force=True)
-        return self.caught_up()
+        return self.caught_up(enforced)
 
     def reload(self) -> bool:
         """Read the store now (SIGHUP). True when the stored keyring is the one served."""
@@ -307,10 +314,11 @@ class Snapshot:
             self.board.raise_to(keyring.generation)
             self.last_reload_error = None
             self.store_unreachable = None
-            try:
-                self._stamp = self.store.stamp()
-            except KeystoreError:
-                self._stamp = _UNSET  # the next check reads the store again
+            # Not the store's stamp now: another writer may have committed since, and a stamp
+            # of its change beside this snapshot would make the next checks skip reading it
+            # (a worker stuck one change behind, refusing while the board is ahead). The next
+            # check reads the store once.
+            self._stamp = _UNSET
             log.info(
                 "keyring changed",
                 extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
@@ -366,10 +374,7 @@ class Snapshot:
             self.board.raise_to(keyring.generation)
             self.last_reload_error = None
             self.store_unreachable = None
-            try:
-                self._stamp = self.store.stamp()
-            except KeystoreError:
-                self._stamp = _UNSET
+            self._stamp = _UNSET  # as in apply(): the next check reads the store
             log.info(
                 "keyring rewrapped under a new master key",
                 extra={"generation": keyring.generation, "master_key_id": new.key_id},

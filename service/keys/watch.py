@@ -65,10 +65,20 @@ class KeyringWatcher:
         is in force on this host; then once the store has been read (503
         ``keystore_unavailable`` if that did not bring it)."""
         keyring = self._manager.keyring
-        if self._board[0] <= keyring.generation:
+        enforced = int(self._board[0])  # what this request must see; later changes need not
+        if enforced <= keyring.generation:
             return keyring
-        await self._check(self.now(), rate_limited=True)
-        return self._manager.caught_up()
+        # Any check that brings a verified snapshot as new as the board will do, the one in
+        # flight included (the notification of the change that raised the board usually
+        # started it just before this request): a check started after the request is waited
+        # for only when that one did not bring it. Waiting for a fresh check every time made
+        # the first request after a sibling's change wait for two full store reads.
+        await self._check(
+            self.now(),
+            rate_limited=True,
+            enough=lambda: self._manager.keyring.generation >= enforced,
+        )
+        return self._manager.caught_up(enforced)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -101,9 +111,14 @@ class KeyringWatcher:
     def now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    async def refresh(self) -> None:
-        """Check the store now (a notification arrived)."""
-        await self._check(self.now(), rate_limited=False)
+    async def refresh(self, generation: int | None = None) -> None:
+        """Check the store now (a notification arrived). With the ``generation`` the
+        notification names, a check already under way that brings it (or a newer one) is
+        enough: the store is not read a second time for the same change."""
+        enough = None
+        if generation is not None:
+            enough = lambda: self._manager.keyring.generation >= generation  # noqa: E731
+        await self._check(self.now(), rate_limited=False, enough=enough)
 
     async def announce(self) -> None:
         """Tell the other replicas which generation this host enforces (never raises)."""
@@ -115,9 +130,13 @@ class KeyringWatcher:
         except Exception as exc:  # the heartbeat says it again shortly
             log.warning("keyring announcement failed", extra={"error_type": type(exc).__name__})
 
-    async def _check(self, since: float, *, rate_limited: bool) -> None:
+    async def _check(
+        self, since: float, *, rate_limited: bool, enough: Callable[[], bool] | None = None
+    ) -> None:
+        """Return once a check that started at or after ``since`` is done, or as soon as
+        ``enough()`` holds after a check finished."""
         loop = asyncio.get_running_loop()
-        while self._completed_started < since:
+        while self._completed_started < since and not (enough is not None and enough()):
             task = self._task
             if task is None:
                 wait = self._task_started + self._miss_interval - loop.time()
@@ -169,7 +188,7 @@ class KeyringWatcher:
                     self.replicas.heard(notice.replica, notice.generation)
                     continue
                 try:
-                    await self.refresh()
+                    await self.refresh(notice.generation)
                 except Exception as exc:
                     log.error("keyring check failed", extra={"error_type": type(exc).__name__})
                 # The refresh raised the board (or a sibling's did): the whole host enforces
