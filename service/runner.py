@@ -83,8 +83,10 @@ class CryptoRunner:
         except KeyNotFound:
             if self._watcher is None:
                 raise
+        # The board before the check: a sibling's commit during it is no reason for a 503.
+        enforced = self._board[0]
         await self._watcher.after_miss(self._watcher.now())
-        keyring = self._keys.caught_up()
+        keyring = self._keys.caught_up(enforced)
         return keyring, keyring.key(name)
 
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
@@ -111,8 +113,9 @@ class CryptoRunner:
         """A version (or a rewrap target) this snapshot lacks: look in the store once, and run
         those items again if it brought a newer keyring."""
         assert self._watcher is not None
+        enforced = self._board[0]  # before the check, as in key()
         await self._watcher.after_miss(self._watcher.now())
-        fresh = self._keys.caught_up()
+        fresh = self._keys.caught_up(enforced)
         if fresh.digest == keyring.digest or name not in fresh:
             return keyring, results
         missed = [i for i, r in enumerate(results) if isinstance(r, KeyNotFound)]

@@ -215,12 +215,21 @@ class Snapshot:
             )
             return True
 
-    def caught_up(self) -> Keyring:
-        """The snapshot in memory if it is as new as this host's board; else 503: a change
-        acknowledged on this host is not loaded here yet (the store could not be read, or
-        gave back an older keyring), and serving the older snapshot would undo it."""
+    def caught_up(self, enforced: int | None = None) -> Keyring:
+        """The snapshot in memory if it is as new as ``enforced`` (default: this host's board
+        now); else 503: a change acknowledged on this host is not loaded here yet (the store
+        could not be read, or gave back an older keyring), and serving the older snapshot
+        would undo it.
+
+        A caller that has just read the store passes the board as it was before that read
+        began: the read brought everything committed up to then. A sibling's commit that lands
+        during the read raises the board further, but that change is concurrent with the
+        request (its answer had not left when the request arrived), so the request may be
+        served without it; comparing with the board after the read would answer 503 for a
+        store that lost nothing."""
         keyring = self.keyring
-        enforced = self.board.generation
+        if enforced is None:
+            enforced = self.board.generation
         if enforced > keyring.generation:
             why = self.store_error or f"the store holds generation {keyring.generation}"
             raise KeystoreUnavailable(
@@ -234,9 +243,10 @@ class Snapshot:
     def current(self) -> Keyring:
         """:meth:`caught_up`, reading the store first when the board is ahead (blocking: for
         threads; the event loop goes through service.keys.watch)."""
-        if self.board.cell[0] > self.keyring.generation:
+        enforced = self.board.generation  # before the read (see caught_up)
+        if enforced > self.keyring.generation:
             self.refresh(force=True)
-        return self.caught_up()
+        return self.caught_up(enforced)
 
     def reload(self) -> bool:
         """Read the store now (SIGHUP). True when the stored keyring is the one served."""

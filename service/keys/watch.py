@@ -65,10 +65,11 @@ class KeyringWatcher:
         is in force on this host; then once the store has been read (503
         ``keystore_unavailable`` if that did not bring it)."""
         keyring = self._manager.keyring
-        if self._board[0] <= keyring.generation:
+        enforced = self._board[0]  # read before the check starts (see Snapshot.caught_up)
+        if enforced <= keyring.generation:
             return keyring
         await self._check(self.now(), rate_limited=True)
-        return self._manager.caught_up()
+        return self._manager.caught_up(enforced)
 
     async def close(self) -> None:
         for task in self._tasks:
