@@ -160,7 +160,9 @@ def start_server(
 @contextlib.contextmanager
 def connections_to_every_worker(server: Server, workers: int) -> Iterator[dict[int, httpx.Client]]:
     """One keep-alive connection to each worker: connections are opened until /readyz has
-    named every worker index (the kernel spreads new connections over the workers)."""
+    named every worker index (the kernel spreads new connections over the workers). A client
+    is for one thread at a time: httpcore's sync pool may close a connection under a request
+    another thread is waiting on (tests/test_revocation.py, the storm)."""
     found: dict[int, httpx.Client] = {}
     extra: list[httpx.Client] = []
     try:

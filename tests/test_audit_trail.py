@@ -142,9 +142,11 @@ async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
         assert not first.done(), "synced while two requests were still running"
         second = asyncio.ensure_future(audit.commit(record(2), begun=True))
         await asyncio.sleep(0.1)
-        assert not first.done() and not second.done()
+        assert not first.done()
+        assert not second.done()
         assert await audit.commit(record(3), begun=True)
-        assert await first and await second
+        assert await first
+        assert await second
         assert len(syncs) == 1, syncs
     finally:
         audit.close()

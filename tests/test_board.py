@@ -6,6 +6,7 @@ date; a change waits for the live replicas and names the ones that did not confi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import threading
 from collections.abc import Callable, Hashable
@@ -258,6 +259,36 @@ async def test_a_board_ahead_of_the_store_is_refused_not_served(tmp_path: Path) 
     assert response.headers["retry-after"] == "1"
     with pytest.raises(KeystoreUnavailable):
         manager.backup("k")  # nor exported
+
+
+async def test_a_sibling_commit_during_a_store_check_is_no_reason_to_refuse(
+    tmp_path: Path,
+) -> None:
+    """A sibling commits (and raises the board) while this worker's check reads the store, for
+    a name it does not know or because the board was ahead: that change is concurrent with
+    the request, which is answered from what the read brought (404, or the key), not 503 as
+    if the store had lost an acknowledged change (seen as 503 keystore_unavailable for a
+    destroyed key's 404, and for a key created just before)."""
+    board = Board(tmp_path / "keyring.board")
+    sibling, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
+    names = (f"during-{n}" for n in itertools.count())
+
+    async def read_then_sibling_commits(call: Callable[[], object]) -> object:
+        done = await asyncio.to_thread(call)  # this worker's check has read the store...
+        sibling.create(next(names), "aes256-gcm")  # ...then a sibling commits
+        return done
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=read_then_sibling_commits)
+    runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
+    with pytest.raises(KeyNotFound):
+        await runner.key("unknown")  # a miss
+    assert board.generation > serving.keyring.generation
+    _, key = await runner.key("during-0")  # the board was ahead: read, and a commit meanwhile
+    assert key.name == "during-0"
+    assert board.generation > serving.keyring.generation
+    # The next request reads the store again: what was committed meanwhile is served then.
+    _, key = await runner.key("during-1")
+    assert key.name == "during-1"
 
 
 async def test_a_change_waits_for_the_live_replicas_and_names_the_late() -> None:

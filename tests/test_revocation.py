@@ -330,7 +330,21 @@ def test_a_storm_across_both_replicas_issues_no_token_after_an_acknowledged_chan
     with connections_to_every_worker(a, 2) as on_a, connections_to_every_worker(b, 2) as on_b:
         wait_for_replicas(a, on_a[0], 2)
         wait_for_replicas(b, on_b[0], 2)
+    # Two connections to every worker, opened after the wait (none idles past the keep-alive
+    # limit before its first use): the main thread's, for the changes and the checks, and the
+    # traffic thread's. Never one httpx.Client for two threads: with max_connections=1,
+    # httpcore's sync pool may, in one thread, take the connection the other has just sent a
+    # request on for one the server closed (its IDLE state and its readable socket are read
+    # one after the other, unlocked) and close it under the other's read, which then waits
+    # out the read timeout (httpx.ReadTimeout) or fails with EBADF.
+    with (
+        connections_to_every_worker(a, 2) as on_a,
+        connections_to_every_worker(b, 2) as on_b,
+        connections_to_every_worker(a, 2) as storm_a,
+        connections_to_every_worker(b, 2) as storm_b,
+    ):
         lanes = [(a, on_a[0]), (a, on_a[1]), (b, on_b[0]), (b, on_b[1])]
+        storm = [(a, storm_a[0]), (a, storm_a[1]), (b, storm_b[0]), (b, storm_b[1])]
         current: list[str] = [""]
         stop = threading.Event()
         sent: list[Sent] = []
@@ -348,7 +362,7 @@ def test_a_storm_across_both_replicas_issues_no_token_after_an_acknowledged_chan
                 with lock:
                     sent.append(Sent(key, started, response.status_code, token))
 
-        threads = [threading.Thread(target=traffic, args=lane, daemon=True) for lane in lanes]
+        threads = [threading.Thread(target=traffic, args=lane, daemon=True) for lane in storm]
         for thread in threads:
             thread.start()
         acknowledged: dict[str, tuple[str, float]] = {}  # key -> (action, when answered)
