@@ -154,6 +154,20 @@ async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
     assert found == ["req-1", "req-2", "req-3"]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_writer_thread_does_not_preempt_the_event_loop(tmp_path: Path) -> None:
+    audit = open_audit(tmp_path / "audit.log")
+    try:
+        assert audit.trail is not None
+        assert audit.trail.flush()  # the thread has run
+        thread = audit.trail._thread
+        assert thread.native_id is not None
+        assert os.sched_getscheduler(thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is untouched
+    finally:
+        audit.close()
+
+
 async def test_a_request_that_leaves_without_a_record_holds_nobody_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
