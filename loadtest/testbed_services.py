@@ -1,6 +1,11 @@
 """Starting the test bed's machines: PostgreSQL (primary and streaming standby), Redis and
 its Sentinels, the cryptd hosts (production settings, libfaketime, a small tmpfs each) and
-HAProxy; and asking each what it is doing."""
+HAProxy; and asking each what it is doing.
+
+Over 400 lines because each machine's start is a configuration file written out whole (the
+settings a reader of a report needs to see, in the order the service's own documentation
+gives them) next to the command that starts it; splitting them per machine would scatter the
+bed's addresses and ports, which they share."""
 
 from __future__ import annotations
 

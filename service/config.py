@@ -1,5 +1,9 @@
 """Settings, read from ``CRYPTD_*`` environment variables. Weak configurations are refused
-outside development."""
+outside development.
+
+Over 400 lines because it is one declaration: every setting with its default, its bounds and
+a line saying why, and the checks that must see them together (what production refuses), so
+an operator's question "what does this variable do" has one place to look."""
 
 from __future__ import annotations
 
