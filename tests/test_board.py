@@ -100,6 +100,24 @@ async def test_a_sibling_commit_makes_the_next_request_read_the_store(tmp_path: 
     assert serving.keyring.generation == board.generation
 
 
+class GatedRead:
+    """A watcher's ``run_blocking`` whose store reads wait for :attr:`release` (a read that
+    takes a while), counting them."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.release = threading.Event()
+
+    async def __call__(self, check: Callable[[], Any]) -> Any:
+        self.reads += 1
+
+        def gated() -> Any:
+            self.release.wait(10)
+            return check()
+
+        return await asyncio.to_thread(gated)
+
+
 async def test_a_request_behind_the_board_is_served_by_the_check_already_reading(
     tmp_path: Path,
 ) -> None:
@@ -110,18 +128,7 @@ async def test_a_request_behind_the_board_is_served_by_the_check_already_reading
     committing, serving = _manager(tmp_path, board), _manager(tmp_path, Board(board.path))
     committing.create("k", "aes256-gcm")
     serving.refresh()
-    reads = 0
-    release = threading.Event()
-
-    async def slow_read(check: Callable[[], Any]) -> Any:
-        nonlocal reads
-        reads += 1
-
-        def gated() -> Any:
-            release.wait(10)  # a store read that takes a while
-            return check()
-
-        return await asyncio.to_thread(gated)
+    slow_read = GatedRead()
 
     watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
     runner = CryptoRunner(serving, {}, chunk_size=8, watcher=watcher)
@@ -131,11 +138,11 @@ async def test_a_request_behind_the_board_is_served_by_the_check_already_reading
     await asyncio.sleep(0.01)
     request = asyncio.create_task(runner.key("k"))
     await asyncio.sleep(0.01)
-    release.set()
+    slow_read.release.set()
     _, key = await asyncio.wait_for(request, 10)
     await notified
     assert key.state == "disabled"
-    assert reads == 1
+    assert slow_read.reads == 1
 
 
 async def test_a_notification_brought_by_the_check_under_way_costs_no_second_read(
@@ -146,18 +153,7 @@ async def test_a_notification_brought_by_the_check_under_way_costs_no_second_rea
     notification's refresh, and the host's announcement, do not wait for another read."""
     committing = _manager(tmp_path, Board(tmp_path / "one.board"))
     serving = _manager(tmp_path, Board(tmp_path / "other.board"))
-    reads = 0
-    release = threading.Event()
-
-    async def slow_read(check: Callable[[], Any]) -> Any:
-        nonlocal reads
-        reads += 1
-
-        def gated() -> Any:
-            release.wait(10)
-            return check()
-
-        return await asyncio.to_thread(gated)
+    slow_read = GatedRead()
 
     watcher = KeyringWatcher(serving, interval=3600, run_blocking=slow_read)
     committing.create("k", "aes256-gcm")
@@ -166,14 +162,14 @@ async def test_a_notification_brought_by_the_check_under_way_costs_no_second_rea
     await asyncio.sleep(0.01)
     notified = asyncio.create_task(watcher.refresh(generation))
     await asyncio.sleep(0.01)
-    release.set()
+    slow_read.release.set()
     await asyncio.wait_for(asyncio.gather(under_way, notified), 10)
     assert serving.keyring.generation == generation
-    assert reads == 1
+    assert slow_read.reads == 1
     await watcher.refresh(generation)  # a notification of what is already served
-    assert reads == 1
+    assert slow_read.reads == 1
     await watcher.refresh()  # without a generation (a reconnection): the store is read
-    assert reads == 2
+    assert slow_read.reads == 2
 
 
 async def test_a_change_committed_while_a_request_waits_for_the_store_does_not_refuse_it(
