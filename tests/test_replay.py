@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -430,6 +430,17 @@ def test_shared_redis_is_left_running() -> None:
         assert client.ping()
 
 
+def _authenticator(clients: Path, store: RedisReplayStore, **options: Any) -> Authenticator:
+    """An authenticator of ``clients`` on ``store``, failing closed, with no rate limit."""
+    return Authenticator(
+        registry_provider=ClientsFile(clients),
+        replay=store,
+        rate_limiter=None,
+        fail_open=False,
+        **options,
+    )
+
+
 async def test_a_replica_whose_clock_is_behind_refuses_what_redis_calls_too_old(
     tmp_path: Path,
 ) -> None:
@@ -440,13 +451,8 @@ async def test_a_replica_whose_clock_is_behind_refuses_what_redis_calls_too_old(
     client = connect(SHARED_REDIS_URL)
     store = RedisReplayStore(client, prefix=await _fresh_prefix(client), max_age=20)
     redis_now = int((await client.time())[0])
-    behind = Authenticator(
-        registry_provider=ClientsFile(tmp_path / "clients.json"),
-        replay=store,
-        rate_limiter=None,
-        max_age=20,
-        fail_open=False,
-        clock=lambda: float(redis_now - 10),
+    behind = _authenticator(
+        tmp_path / "clients.json", store, max_age=20, clock=lambda: float(redis_now - 10)
     )
     try:
         secret = base64.b64decode(secrets["app"])
@@ -475,13 +481,7 @@ async def test_an_unreachable_store_is_asked_again_without_traffic(tmp_path: Pat
     with RedisServer() as private_redis:
         client = connect(private_redis.url)
         store = RedisReplayStore(client)
-        authenticator = Authenticator(
-            registry_provider=ClientsFile(tmp_path / "clients.json"),
-            replay=store,
-            rate_limiter=None,
-            max_age=300,
-            fail_open=False,
-        )
+        authenticator = _authenticator(tmp_path / "clients.json", store, max_age=300)
         scope = {"method": "GET", "path": "/v1/keys", "query_string": b"", "state": {}}
 
         async def send(created: int | None = None) -> None:

@@ -73,11 +73,7 @@ class KeyringWatcher:
         # started it just before this request): a check started after the request is waited
         # for only when that one did not bring it. Waiting for a fresh check every time made
         # the first request after a sibling's change wait for two full store reads.
-        await self._check(
-            self.now(),
-            rate_limited=True,
-            enough=lambda: self._manager.keyring.generation >= enforced,
-        )
+        await self._check(self.now(), rate_limited=True, enough=self._loaded(enforced))
         return self._manager.caught_up(enforced)
 
     async def close(self) -> None:
@@ -115,10 +111,12 @@ class KeyringWatcher:
         """Check the store now (a notification arrived). With the ``generation`` the
         notification names, a check already under way that brings it (or a newer one) is
         enough: the store is not read a second time for the same change."""
-        enough = None
-        if generation is not None:
-            enough = lambda: self._manager.keyring.generation >= generation  # noqa: E731
+        enough = None if generation is None else self._loaded(generation)
         await self._check(self.now(), rate_limited=False, enough=enough)
+
+    def _loaded(self, generation: int) -> Callable[[], bool]:
+        """Whether the snapshot in memory has reached ``generation`` (asked after each check)."""
+        return lambda: self._manager.keyring.generation >= generation
 
     async def announce(self) -> None:
         """Tell the other replicas which generation this host enforces (never raises)."""

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from service.audit import checkpoint, redact
-from service.audit.writer import AuditWriter
+from service.audit.writer import GROUP_DELAY, AuditWriter
 from service.crypto.base import NO_OPTIONS
 from service.keys.manager import KeyManager
 from service.logs.fields import timestamp
@@ -88,7 +88,7 @@ class Audit:
         on_failure: Any = None,
         secondary: Any = None,
         signing_key_type: str = checkpoint.SIGNING_KEY_TYPE,
-        group_delay: float = 0.001,
+        group_delay: float = GROUP_DELAY,
     ) -> Audit:
         """The audit trail in ``path`` (this worker's stream), its keys made on first use."""
         manager.ensure_internal_key(checkpoint.SIGNING_KEY, signing_key_type)
