@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -128,6 +129,9 @@ def start_server(
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            # Its own process group: a server that never became ready is killed with its
+            # workers, not only the supervisor (the workers would outlive the test).
+            start_new_session=True,
         )
     if tls:
         ca_file = Path(full_env["CRYPTD_DEV_DIR"]) / "tls" / "ca.crt"
@@ -141,7 +145,7 @@ def start_server(
             if httpx.get(url + "/readyz", timeout=1, verify=verify).status_code == 200:
                 break
         if time.monotonic() > deadline:
-            process.kill()
+            _kill_group(process)
             raise RuntimeError(f"server not ready: {log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.2)
     state = state_view(process.pid) if state_view else Path(full_env["CRYPTD_DEV_DIR"])
@@ -193,8 +197,13 @@ def stop_server(server: Server) -> None:
         try:
             server.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+            _kill_group(server.process)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 @pytest.fixture(scope="session")
