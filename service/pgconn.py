@@ -17,14 +17,20 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 # What a connection gets unless the URL says otherwise: fail fast when the database is down,
-# notice a dead peer, and name the application in pg_stat_activity.
+# notice a dead peer, and name the application in pg_stat_activity. A path that dies without
+# a reset (a link down, a host cut off, packets dropped) would otherwise hold a statement, its
+# request and the store's lock for TCP's retransmission limit (~15 min): tcp_user_timeout
+# ends a statement whose bytes go unacknowledged for 5 s, and the keepalives a connection
+# waiting for an answer that will not come (5 s idle, then two probes 2 s apart). A slow
+# statement on a live server is not cut short: its server still acknowledges.
 DEFAULTS = {
     "connect_timeout": "5",
     "application_name": "cryptd",
     "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "2",
+    "tcp_user_timeout": "5000",
 }
 
 
