@@ -174,6 +174,18 @@ def test_a_change_not_heard_of_is_read_whole(
     assert reader.keyring.digest == writer.keyring.digest
 
 
+def test_a_check_no_notification_started_reads_everything_once(
+    pg_database: str, pair: tuple[KeyManager, KeyManager]
+) -> None:
+    """The periodic check, a store without notifications: one full read, no partial one."""
+    writer, reader = pair
+    writer.update("k02", state=DISABLED)
+    read_before = rows_read(reader)
+    assert reader.refresh() is True
+    assert rows_read(reader) - read_before == total_rows(writer)
+    assert reader.keyring.digest == writer.keyring.digest
+
+
 def test_a_notice_naming_the_wrong_keys_fails_the_mac_and_is_read_whole(
     pg_database: str, pair: tuple[KeyManager, KeyManager]
 ) -> None:

@@ -197,11 +197,14 @@ class Snapshot:
 
     def _named_since(self, generation: int) -> tuple[frozenset[str], int] | None:
         """The keys the changes after ``generation`` wrote, and the newest generation heard
-        of; None when a generation in between was not heard of, or not named."""
+        of; None when none was heard of (a store without notifications, a check not started
+        by one), or a generation in between was not, or was not named."""
         with self._heard_lock:
             for old in [g for g in self._heard if g <= generation]:
                 del self._heard[old]
-            newest = max(self._heard, default=generation)
+            if not self._heard:
+                return None
+            newest = max(self._heard)
             names: set[str] = set()
             for g in range(generation + 1, newest + 1):
                 named = self._heard.get(g)
