@@ -291,7 +291,12 @@ class Snapshot:
             self._reload_outcome(None)
             log.info(
                 "keyring loaded",
-                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
+                extra={
+                    "generation": keyring.generation,
+                    "keys": len(keyring),
+                    "pid": os.getpid(),
+                    "read": "whole" if partial is None else "named keys",
+                },
             )
             return True
 
