@@ -42,6 +42,11 @@ class Outcome:
     status: int  # 0: no answer (connection refused, reset, timed out)
     retry_after: bool
     reason: str = ""  # a refusal's error code and message, shortened
+    sent: float = float("nan")  # monotonic, when the request left (nan: not known; use ``at``)
+
+    @property
+    def sent_at(self) -> float:
+        return self.at if self.sent != self.sent else self.sent
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class Recorder:
     acknowledged: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def on_response(self, response: httpx.Response) -> None:
+    def on_response(self, response: httpx.Response, sent: float = float("nan")) -> None:
         request = response.request
         now = time.monotonic()
         target = request.url.raw_path.decode("ascii")
@@ -84,7 +89,7 @@ class Recorder:
         retry_after = "retry-after" in response.headers
         reason = "" if response.is_success else _reason(response)
         with self.lock:
-            self.outcomes.append(Outcome(now, op, response.status_code, retry_after, reason))
+            self.outcomes.append(Outcome(now, op, response.status_code, retry_after, reason, sent))
             if response.is_success:
                 headers = tuple(
                     (k, v)
@@ -93,9 +98,9 @@ class Recorder:
                 )
                 self.accepted.append(Accepted(now, op, request.method, target, headers, content))
 
-    def failed(self, operation: str, why: str = "") -> None:
+    def failed(self, operation: str, why: str = "", sent: float = float("nan")) -> None:
         with self.lock:
-            self.outcomes.append(Outcome(time.monotonic(), operation, 0, False, why))
+            self.outcomes.append(Outcome(time.monotonic(), operation, 0, False, why, sent))
 
 
 def _reason(response: httpx.Response) -> str:
@@ -113,15 +118,20 @@ class RecordingClient(CryptdClient):
     recorder: Recorder
 
     def _open(self) -> None:
+        self._sent: dict[int, float] = {}  # id of a request in flight -> when it left
         self._http = httpx.Client(
             timeout=self.timeout,
             verify=self._tls_verify,
-            event_hooks={"response": [self._record]},
+            event_hooks={"request": [self._leaving], "response": [self._record]},
         )
 
+    def _leaving(self, request: httpx.Request) -> None:
+        self._sent[id(request)] = time.monotonic()
+
     def _record(self, response: httpx.Response) -> None:
+        sent = self._sent.pop(id(response.request), float("nan"))
         response.read()
-        self.recorder.on_response(response)
+        self.recorder.on_response(response, sent)
 
 
 def client(url: str, client_id: str, secret: bytes, recorder: Recorder) -> RecordingClient:
@@ -170,6 +180,7 @@ class Load:
                     step % 6
                 ]
                 step += 1
+                sent = time.monotonic()  # a request that gets no answer left after this
                 try:
                     if op == "encrypt":
                         token = c.encrypt(CRYPTO_KEY, secrets.token_bytes(32)).ciphertext
@@ -197,7 +208,7 @@ class Load:
                 except (CryptdConnectionError, httpx.HTTPError) as exc:
                     # No answer (the client retries refused connections, not a read that
                     # timed out: the request may have been served).
-                    recorder.failed(op, type(exc).__name__)
+                    recorder.failed(op, type(exc).__name__, sent)
 
     def _keys(self) -> None:
         recorder = self.recorder

@@ -263,7 +263,26 @@ def wrk_load(servers: Sequence[Cryptd], connections: int) -> Iterator[None]:
             process.wait(10)
 
 
-def replicas_campaign(rounds: int, load: bool, admin_url: str) -> dict[str, Any]:
+def prefill(url: str, dev: Path, keys: int) -> None:
+    """``keys`` keys of two versions each in the store, as one change (a campaign's keyring:
+    what a worker reads on every change is what is measured)."""
+    from loadtest.refresh_cost import populate
+    from service.config import decode_master_key
+    from service.keys.manager import KeyManager
+    from service.keys.masterkey import MasterKey
+    from service.keys.pgstore import PostgresKeyStore
+
+    master = MasterKey(decode_master_key((dev / "master.key").read_text(), "master.key"))
+    store = PostgresKeyStore(url)
+    try:
+        manager = KeyManager(store, master)
+        manager.load()
+        populate(manager, keys)
+    finally:
+        store.close()
+
+
+def replicas_campaign(rounds: int, load: bool, admin_url: str, keys: int = 0) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="cryptd-revocation-") as scratch,
         database(admin_url) as url,
@@ -272,6 +291,8 @@ def replicas_campaign(rounds: int, load: bool, admin_url: str) -> dict[str, Any]
         cpus = frozenset({1}) if (os.cpu_count() or 1) >= 2 else None
         first = Cryptd(Path(scratch) / "a", workers=2, env=env, cpus=cpus, name="a")
         first.start()
+        if keys:
+            prefill(url, Path(scratch) / "a" / "dev", keys)
         second_dev = Path(scratch) / "b" / "dev"
         second_dev.mkdir(parents=True)
         for name in ("master.key", "clients.json"):
@@ -299,6 +320,7 @@ def replicas_campaign(rounds: int, load: bool, admin_url: str) -> dict[str, Any]
     return {
         "rounds": rounds,
         "load": load,
+        "keys_before": keys,
         "served_after_answer": sum(r.served_after for r in results),
         "answers_confirmed_by_both": complete,
         "answer_to_last_refusal": spread([r.last_refusal_s for r in results]),
@@ -392,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep = sub.add_parser("replicas", help="two servers on one PostgreSQL, under load")
     rep.add_argument("--rounds", type=int, default=200)
     rep.add_argument("--no-load", action="store_true")
+    rep.add_argument(
+        "--keys", type=int, default=0, help="keys (two versions each) in the store beforehand"
+    )
     sub.add_parser("cost", help="what the board comparison costs a request (in-process)")
     for p in (host, rep):
         p.add_argument("--admin-url", default=ADMIN_URL, help=f"PostgreSQL ({ADMIN_URL})")
@@ -425,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report = {
             "campaign": "replicas",
-            **replicas_campaign(args.rounds, not args.no_load, args.admin_url),
+            **replicas_campaign(args.rounds, not args.no_load, args.admin_url, args.keys),
         }
         print(
             f"replicas: {report['rounds']} rounds ({'under load' if report['load'] else 'idle'}), "

@@ -18,7 +18,7 @@ import pytest
 
 from loadtest.faults import Timing, campaign
 from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
-from loadtest.faults_report import PhaseResult, refusals, render
+from loadtest.faults_report import PhaseResult, refusal_window, refusals, render
 from loadtest.faults_revocation import Round, parse_propagation
 from loadtest.testbed import down, up
 from loadtest.testbed_faults import failover_timeline
@@ -57,7 +57,7 @@ def test_operation_names(method: str, path: str, content: bytes, expected: str) 
     assert operation_of(method, path, content) == expected
 
 
-def test_the_refusal_window_runs_from_the_first_to_the_last_refusal_after_the_fault() -> None:
+def test_refusals_after_the_fault_are_counted_and_spanned() -> None:
     phase = PhaseResult("kill-host", "app2", started=0.0, fault_at=10.0, ended=30.0)
     outcomes = [
         Outcome(5.0, "encrypt", 503, True),  # before the fault: counted, not in the window
@@ -69,10 +69,43 @@ def test_the_refusal_window_runs_from_the_first_to_the_last_refusal_after_the_fa
     ]
     r = refusals(phase, outcomes)
     assert (r.requests, r.accepted) == (5, 1)
-    assert r.window_s == pytest.approx(3.0)
+    assert r.span_s == pytest.approx(3.0)  # first to last refusal
+    # Send times unknown: answer times stand in. 11.0 to the acceptance at 12.0, and the run
+    # from 13.5 that nothing accepted followed, to its last answer at 14.0.
+    assert r.window_s == pytest.approx(1.0)
     assert r.bad_5xx == 1
     assert r.without_retry_after == 1
     assert r.by_status == Counter({503: 2, 0: 1, 500: 1})
+
+
+def test_the_refusal_window_is_the_longest_run_of_refusals_not_first_to_last() -> None:
+    """Scattered refusals 22 s apart (the host-loss row that read 22.4 s) against one
+    contiguous outage: the window is the longest stretch clients were refused, from a
+    refusal's send time to the next accepted request's send time."""
+
+    def sent(at: float, status: int, answered_after: float = 0.05) -> Outcome:
+        return Outcome(at + answered_after, "encrypt", status, status == 503, sent=at)
+
+    accepted_every_100ms = [sent(t / 10, 200) for t in range(0, 300)]
+    scattered = [*accepted_every_100ms, sent(3.05, 503), sent(25.05, 0, answered_after=0.4)]
+    phase = PhaseResult("kill-host", "app2", started=0.0, fault_at=0.0, ended=31.0)
+    r = refusals(phase, scattered)
+    assert r.span_s == pytest.approx(22.35)  # first to last answer: what the column said
+    assert r.window_s == pytest.approx(0.05)  # each refusal was followed at once by a success
+    assert refusal_window(scattered) == pytest.approx(0.05)
+
+    # One outage: nothing accepted from 10.0 to 14.2 (sent), refusals in between; the
+    # clients were refused from the first refusal's send (10.0) to the next acceptance (14.2).
+    outage = [o for o in accepted_every_100ms if not 10.0 <= o.sent < 14.2]
+    outage += [sent(10.0 + n * 0.25, 503) for n in range(17)]  # 10.0 .. 14.0
+    assert refusal_window(outage) == pytest.approx(4.2)
+    # Concurrent clients: the order is by send time, not by answer. A refusal that was sent
+    # before an acceptance but answered after it does not join the run that follows.
+    late = [sent(1.0, 503, answered_after=2.0), sent(1.5, 200), sent(2.0, 503), sent(2.6, 200)]
+    assert refusal_window(late) == pytest.approx(0.6)
+    # Refused until the end: up to the last refusal's answer.
+    assert refusal_window([sent(1.0, 200), sent(2.0, 503), sent(3.0, 503)]) == pytest.approx(1.05)
+    assert refusal_window([sent(1.0, 200)]) == 0.0
 
 
 def test_the_report_states_every_goal() -> None:
@@ -95,7 +128,8 @@ def test_the_report_states_every_goal() -> None:
         integrity=Integrity(tokens=10, tokens_failed=0, keys=3),
         final_replay=ReplayResult(3, Counter({401: 3})),
     )
-    assert "| kill-host | app2 | 2 | 1 | 503x1 | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
+    # Refused at 1.5 (sent), accepted at 2.0: half a second; one refusal spans nothing.
+    assert "| kill-host | app2 | 2 | 1 | 503x1 | 0.50 | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
     assert "- kill-host: refusals at +0.50 s; 503 overloaded: replay store unavailable x1" in text
     assert "**1 replays in all got past" in text
     assert "| all | 2 | 8 / 12 / 12 | 2 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text

@@ -75,6 +75,7 @@ class KeyManager:
         # The snapshot: what is served, read from the store.
         self.load = self.snapshot.load
         self.refresh = self.snapshot.refresh
+        self.heard = self.snapshot.heard
         self.caught_up = self.snapshot.caught_up
         self.current = self.snapshot.current
         self.reload = self.snapshot.reload

@@ -19,9 +19,16 @@ layer checks is the same in both stores and a file keyring moves here unchanged.
 one transaction that first locks the header row (``SELECT ... FOR UPDATE``): writers of every
 replica queue there, each reads what the one before committed, so two replicas rotating one
 key at once get two distinct versions and lose neither. The commit sends ``NOTIFY`` on
-:data:`CHANNEL` with the new generation; every server worker listens (and checks the
-generation periodically, the backstop for a missed notification or a dropped connection), and
-answers on :data:`REPLICAS_CHANNEL` once its host enforces it (service/keys/propagation.py).
+:data:`CHANNEL` with the new generation and the names of the keys whose rows it wrote (when
+they fit, :func:`notice_payload`); every server worker listens (and checks the generation
+periodically, the backstop for a missed notification or a dropped connection), reads the
+header and those keys' rows only (:meth:`PostgresKeyStore.read_keys`; the integrity layer
+verifies the MAC over the whole document put back together, and a worker reads everything
+when it fails), and answers on :data:`REPLICAS_CHANNEL` once its host enforces it
+(service/keys/propagation.py).
+
+One module over 400 lines: the schema, the rows read back as a document and a change written
+as rows are one mapping, and splitting it would put the two halves of that mapping apart.
 
 Driver: psycopg 3 (libpq): every libpq parameter in the URL (``sslmode``, ``sslrootcert``,
 ``target_session_attrs``, ...) and the ``PG*`` environment work as with ``psql``; it has a
@@ -36,7 +43,7 @@ import base64
 import contextlib
 import logging
 import re
-from collections.abc import AsyncGenerator, Hashable, Iterator
+from collections.abc import AsyncGenerator, Collection, Hashable, Iterator
 from typing import Any
 
 import orjson
@@ -62,10 +69,14 @@ CHANNEL = "cryptd_keyring"
 # Replicas announce the keyring generation they enforce here (service/keys/propagation.py).
 REPLICAS_CHANNEL = "cryptd_replicas"
 _REPLICA_ID = re.compile(r"[0-9a-f]{32}")
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
 
 LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
 STATEMENT_TIMEOUT = "60s"
+# A notification's payload must stay under 8000 bytes; a change naming more than this many
+# bytes of keys (a master-key rotation, a restore) says "everything" (the generation alone).
+NOTICE_NAMES_BYTES = 7000
 LISTEN_KEEPALIVE = 30.0  # seconds without a notification before the connection is probed
 RECONNECT_DELAY = (0.2, 10.0)
 
@@ -116,10 +127,23 @@ TABLES = (
     "cryptd_approvals",
 )
 HEADER = "SELECT schema_version, format, deployment_id, master_key_id, generation, mac"
+_VERSIONS = "SELECT name, version, record, material FROM cryptd_key_versions"
+# (keys, versions): every row, or the rows of the keys named
+_ALL_KEYS = ("SELECT name, record FROM cryptd_keys", f"{_VERSIONS} ORDER BY name, version")
+_NAMED_KEYS = (
+    "SELECT name, record FROM cryptd_keys WHERE name = ANY(%s)",
+    f"{_VERSIONS} WHERE name = ANY(%s) ORDER BY name, version",
+)
 
 
 class PostgresKeyStore(PostgresStore):
     backend = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        # Key and version rows this store has read (for tests and loadtest/refresh_cost.py:
+        # what a notification costs a reader).
+        self.rows_read = 0
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = super()._connect()
@@ -157,7 +181,30 @@ class PostgresKeyStore(PostgresStore):
     def read(self) -> RawDocument | None:
         with self._session() as conn, conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            return _read(conn)
+            document = _read(conn)
+        self._count(document, None)
+        return document
+
+    def read_keys(self, base: RawDocument, names: Collection[str]) -> RawDocument | None:
+        wanted = sorted(set(names))
+        with self._session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            document = _read(conn, wanted)
+        if document is None:
+            return None
+        self._count(document, wanted)
+        # Every key ``names`` does not name, as ``base`` had it (shared, never changed: the
+        # parse reuses what it parsed from them); the named ones as stored now, or gone.
+        keys = {name: record for name, record in base.get("keys", {}).items() if name not in names}
+        keys.update(document["keys"])
+        document["keys"] = keys
+        return document
+
+    def _count(self, document: RawDocument | None, names: list[str] | None) -> None:
+        if document is not None:
+            keys = document["keys"]
+            chosen = keys.values() if names is None else [keys[n] for n in names if n in keys]
+            self.rows_read += sum(1 + len(key["versions"]) for key in chosen)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[_PgTransaction]:
@@ -245,11 +292,29 @@ class PostgresKeyStore(PostgresStore):
                 conn.execute(statement)
 
 
+def notice_payload(generation: int, names: Collection[str]) -> str:
+    """``"G keys NAME NAME ..."``: the change to generation G wrote (or removed) those keys'
+    rows; ``"G"`` alone when they do not fit in a notification (read everything). Key names
+    have no spaces (service/keys/keyring.py); a cryptd before this reads either as "changed,
+    generation unknown" and reads everything, as it did."""
+    named = " ".join(["keys", *sorted(names)])
+    if len(named) > NOTICE_NAMES_BYTES:
+        return str(generation)
+    return f"{generation} {named}"
+
+
 def parse_notice(channel: str, payload: str) -> Notice | None:
     """A notification as a notice; None for one that is not cryptd's (ignored, never trusted
-    beyond "look at the store": a generation only makes a worker read and verify it)."""
+    beyond "look at the store": a generation only makes a worker read and verify it, and names
+    only which rows it reads first)."""
     if channel == CHANNEL:
-        return Changed(int(payload) if payload.isdigit() else None)
+        generation, _, rest = payload.partition(" ")
+        if not generation.isdigit():
+            return Changed()
+        words = rest.split(" ")
+        if words[0] != "keys" or not all(_KEY_NAME.fullmatch(w) for w in words[1:]):
+            return Changed(int(generation))
+        return Changed(int(generation), frozenset(words[1:]))
     if channel == REPLICAS_CHANNEL:
         replica, _, generation = payload.partition(" ")
         if _REPLICA_ID.fullmatch(replica) and generation.isdigit():
@@ -264,22 +329,23 @@ def _check_schema(version: int) -> None:
         )
 
 
-def _read(conn: psycopg.Connection[Any]) -> RawDocument | None:
+def _read(conn: psycopg.Connection[Any], names: list[str] | None = None) -> RawDocument | None:
+    """The document's header, approvals and keys: every key, or only those of ``names`` that
+    are stored (the caller puts the others back)."""
     header = conn.execute(HEADER + " FROM cryptd_keyring WHERE id = 1").fetchone()
     if header is None:
         return None
     schema_version, fmt, deployment_id, master_key_id, generation, mac = header
     _check_schema(schema_version)
+    key_query, version_query = _ALL_KEYS if names is None else _NAMED_KEYS
+    params = () if names is None else (names,)
     keys: dict[str, dict[str, Any]] = {}
     # Binary results: bytea arrives as bytes, not hex text (half the snapshot's CPU here).
-    for name, record in conn.execute("SELECT name, record FROM cryptd_keys", binary=True):
+    for name, record in conn.execute(key_query, params, binary=True):
         if not isinstance(record, dict) or "versions" in record:
             raise IntegrityError(f"malformed row in cryptd_keys (key {str(name)[:128]!r})")
         keys[name] = {**record, "versions": []}
-    rows = conn.execute(
-        "SELECT name, version, record, material FROM cryptd_key_versions ORDER BY name, version",
-        binary=True,
-    )
+    rows = conn.execute(version_query, params, binary=True)
     for name, version, record, material in rows:
         where = f"key {str(name)[:128]!r} version {version}"
         if name not in keys:
@@ -414,4 +480,8 @@ class _PgTransaction:
         _write_approvals(
             conn, {} if old is None else old.get("approvals", {}), document.get("approvals", {})
         )
-        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(document["generation"])))
+        # The readers' hint: these keys' rows are all that changed (approvals are read always).
+        written = {*gone, *(row[0] for row in key_rows), *(row[0] for row in version_rows)}
+        written.update(name for name, _ in dropped_versions)
+        payload = notice_payload(document["generation"], written)
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))

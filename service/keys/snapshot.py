@@ -9,6 +9,18 @@ damage), apply the change one generation up, build and check the new keyring, an
 commit; the new snapshot is served the moment the commit returns. Any failure leaves the
 store and the snapshot as they were. What a change is lives elsewhere
 (:mod:`service.keys.mutations`, :mod:`service.keys.transfer`, :mod:`service.keys.schedule`).
+
+A refresh after notifications that named the keys each change wrote (:meth:`Snapshot.heard`,
+every generation since the snapshot's) reads only those keys' rows and the header
+(:meth:`~service.keys.store.KeyStore.read_keys`), puts them into the document it served, and
+verifies the MAC over that whole document; it parses and builds only those keys. A document
+that does not verify (a notification missed, rows changed by someone else) is never served:
+the refresh reads and verifies everything instead, as it always did; so does every forced
+refresh and the periodic full check.
+
+Over 400 lines as one module: loading, refreshing and committing share one lock and one set
+of fields (the served keyring, its document, its stamp); split, each half would reach into
+the other's state.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from service.keys.integrity import (
 from service.keys.keyring import Keyring
 from service.keys.masterkey import MasterKey, MasterKeySource
 from service.keys.store import (
+    Changed,
     IntegrityError,
     KeyStore,
     KeystoreError,
@@ -49,6 +62,9 @@ _UNSET = object()
 # The periodic check compares a stamp (a stat, the header row); this often it reads and
 # verifies the whole store anyway, so rows changed behind the service's back show in /readyz.
 FULL_CHECK_INTERVAL = 60.0
+# Generations heard of and not yet loaded, kept at most (a store unreadable for long): the
+# oldest go first, and a refresh missing one reads everything.
+HEARD_LIMIT = 1024
 
 
 class Snapshot:
@@ -77,6 +93,11 @@ class Snapshot:
         self._verified_at = float("-inf")  # monotonic time of the last full read
         self._keyring: Keyring | None = None
         self.document: KeyringDocument | None = None  # what the snapshot was built from
+        self._raw: RawDocument | None = None  # ``document`` as stored (MAC included)
+        # generation -> the keys its change wrote (None: not said), from notifications; the
+        # event loop adds, a refresh (in a thread) takes: a lock of its own, never held long.
+        self._heard: dict[int, frozenset[str] | None] = {}
+        self._heard_lock = threading.Lock()
         self.last_reload_error: str | None = None  # why the store's content was refused
         self.store_unreachable: str | None = None  # why the store could not be read
 
@@ -110,7 +131,9 @@ class Snapshot:
 
     # Reading the store --------------------------------------------------------------------
 
-    def _open(self, raw: RawDocument) -> tuple[Verified, MasterKey]:
+    def _open(
+        self, raw: RawDocument, reuse: tuple[RawDocument, KeyringDocument] | None = None
+    ) -> tuple[Verified, MasterKey]:
         """Verify ``raw`` under the master key it names: this process's, or (after a rotation
         elsewhere) the one ``lookup`` finds. Never changes what this process uses."""
         claimed = raw.get("master_key_id")
@@ -123,7 +146,7 @@ class Snapshot:
                 f"cannot find (it holds {self._master.key_id}): a master-key rotation whose new "
                 "key has not reached this host, or another deployment's keyring"
             )
-        return open_document(raw, self._master), self._master
+        return open_document(raw, self._master, reuse), self._master
 
     def _adopt_master(self, master: MasterKey) -> None:
         if master is not self._master:
@@ -147,7 +170,7 @@ class Snapshot:
             check_succession(None, verified, self._expected_deployment)
             self._keyring = build_keyring(verified, master, None, self._activation_delay)
             self._adopt_master(master)
-            self.document = verified.document
+            self.document, self._raw = verified.document, raw
             self._stamp = stamp
             self._verified_at = time.monotonic()
             self.board.raise_to(self._keyring.generation)
@@ -162,10 +185,60 @@ class Snapshot:
             )
             return self._keyring
 
+    def heard(self, notice: Changed) -> None:
+        """A notification: the change to ``notice.generation`` wrote ``notice.keys`` (called
+        on the event loop before the refresh it starts; cheap, never blocks on a refresh)."""
+        if notice.generation is None:
+            return
+        with self._heard_lock:
+            self._heard[notice.generation] = notice.keys
+            while len(self._heard) > HEARD_LIMIT:
+                del self._heard[min(self._heard)]
+
+    def _named_since(self, generation: int) -> tuple[frozenset[str], int] | None:
+        """The keys the changes after ``generation`` wrote, and the newest generation heard
+        of; None when none was heard of (a store without notifications, a check not started
+        by one), or a generation in between was not, or was not named."""
+        with self._heard_lock:
+            for old in [g for g in self._heard if g <= generation]:
+                del self._heard[old]
+            if not self._heard:
+                return None
+            newest = max(self._heard)
+            names: set[str] = set()
+            for g in range(generation + 1, newest + 1):
+                named = self._heard.get(g)
+                if named is None:
+                    return None
+                names |= named
+        return frozenset(names), newest
+
+    def _read_changed(self) -> tuple[Verified, MasterKey, RawDocument] | None:
+        """The stored document read through the keys notifications named, verified whole;
+        None when that cannot be done or does not verify (the caller reads everything)."""
+        if self._raw is None or self._keyring is None or self.document is None:
+            return None
+        named = self._named_since(self._keyring.generation)
+        if named is None:
+            return None
+        names, newest = named
+        raw = self.store.read_keys(self._raw, names)
+        if raw is None or not isinstance(raw.get("generation"), int) or raw["generation"] > newest:
+            return None  # a change not heard of yet: its keys are unknown
+        try:
+            verified, master = self._open(raw, reuse=(self._raw, self.document))
+            check_succession(self._keyring, verified, self._expected_deployment)
+        except IntegrityError as exc:
+            # Not served; the full read below decides, and says why if it refuses too.
+            log.info("partial keyring read refused; reading it whole", extra={"reason": str(exc)})
+            return None
+        return verified, master, raw
+
     def refresh(self, *, force: bool = False) -> bool:
         """Load the stored keyring if it changed (always with ``force``), keeping the previous
         snapshot when the store is unreachable or its content is refused. Never raises.
-        Returns True when a new snapshot is served."""
+        Returns True when a new snapshot is served. Reads only the keys notifications named
+        when it can (see the module docstring); never when forced or the full check is due."""
         with self._lock:
             try:
                 stamp = self.store.stamp()
@@ -173,12 +246,18 @@ class Snapshot:
                 if not force and not due and stamp == self._stamp:
                     self.store_unreachable = None
                     return False
-                raw = self.store.read()
-                self._verified_at = time.monotonic()
-                self.store_unreachable = None
-                if raw is None:
-                    raise IntegrityError(f"the keyring in {self.store.description} is gone")
-                verified, master = self._open(raw)
+                partial = None if force or due else self._read_changed()
+                if partial is not None:
+                    verified, master, raw = partial
+                    self.store_unreachable = None
+                else:
+                    raw_read = self.store.read()
+                    self._verified_at = time.monotonic()
+                    self.store_unreachable = None
+                    if raw_read is None:
+                        raise IntegrityError(f"the keyring in {self.store.description} is gone")
+                    raw = raw_read
+                    verified, master = self._open(raw)
                 if self._keyring is not None and verified.digest == self._keyring.digest:
                     self._stamp = stamp
                     self._reload_outcome(None)
@@ -190,6 +269,7 @@ class Snapshot:
                     self._keyring,
                     self._activation_delay,
                     previous_master=None if master is self._master else self._master,
+                    previous_records=None if self.document is None else self.document.keys,
                 )
             except StoreUnavailable as exc:
                 if self.store_unreachable != str(exc):
@@ -204,14 +284,19 @@ class Snapshot:
                 self._reload_outcome(reason)
                 return False
             self._keyring = keyring
-            self.document = verified.document
+            self.document, self._raw = verified.document, raw
             self._stamp = stamp
             self._adopt_master(master)
             self.board.raise_to(keyring.generation)
             self._reload_outcome(None)
             log.info(
                 "keyring loaded",
-                extra={"generation": keyring.generation, "keys": len(keyring), "pid": os.getpid()},
+                extra={
+                    "generation": keyring.generation,
+                    "keys": len(keyring),
+                    "pid": os.getpid(),
+                    "read": "whole" if partial is None else "named keys",
+                },
             )
             return True
 
@@ -291,9 +376,9 @@ class Snapshot:
                             self._activation_delay,
                             previous_master=previous_master,
                         )
-                        document = current.document
+                        document, stored = current.document, raw
                     else:
-                        sealed, digest = seal(document, self._master)
+                        stored, digest = seal(document, self._master)
                         keyring = build_keyring(
                             Verified(document, digest),
                             master,
@@ -301,14 +386,14 @@ class Snapshot:
                             self._activation_delay,
                             previous_master=previous_master,
                         )
-                        transaction.write(sealed)
+                        transaction.write(stored)
             except IntegrityError as exc:
                 self._reload_outcome(str(exc))
                 raise _refused(str(exc)) from None
             except StoreUnavailable as exc:
                 raise _unavailable(str(exc)) from None
             self._keyring = keyring
-            self.document = document
+            self.document, self._raw = document, stored
             # Before the caller answers: from here on no worker of this host serves an older
             # snapshot (each compares the board before it uses a key).
             self.board.raise_to(keyring.generation)
@@ -349,13 +434,13 @@ class Snapshot:
                             self._activation_delay,
                             previous_master=self._master,
                         )
-                        document = current.document
+                        document, stored = current.document, raw
                     else:
                         current, old = self._open(raw)
                         check_succession(self._keyring, current, self._expected_deployment)
                         document = next_document(current)
                         rewrap(document, old, new)
-                        sealed, digest = seal(document, new)
+                        stored, digest = seal(document, new)
                         keyring = build_keyring(
                             Verified(document, digest),
                             new,
@@ -363,13 +448,13 @@ class Snapshot:
                             self._activation_delay,
                             previous_master=old,
                         )
-                        transaction.write(sealed)
+                        transaction.write(stored)
             except IntegrityError as exc:
                 raise _refused(str(exc)) from None
             except StoreUnavailable as exc:
                 raise _unavailable(str(exc)) from None
             self._keyring = keyring
-            self.document = document
+            self.document, self._raw = document, stored
             self._adopt_master(new)
             self.board.raise_to(keyring.generation)
             self.last_reload_error = None

@@ -1,10 +1,11 @@
 """The key-store interface: where the keyring document lives, and nothing about what it means.
 
 A store keeps one document (:data:`~service.keys.document.RawDocument`: every key's metadata
-and wrapped material, and the document MAC) and offers four things: load the whole document;
-apply one change in a transaction (read the current document under an exclusive lock, write
-the new one, committed atomically or not at all); say cheaply whether it changed; take a
-named lock shared by every replica. Verification, unwrapping and the MAC live above it
+and wrapped material, and the document MAC) and offers five things: load the whole document;
+load it again reading only the keys a change named (the rest taken from the document read
+before); apply one change in a transaction (read the current document under an exclusive
+lock, write the new one, committed atomically or not at all); say cheaply whether it changed;
+take a named lock shared by every replica. Verification, unwrapping and the MAC live above it
 (:mod:`service.keys.integrity`): a store never decides what is valid.
 
 Backends, one module each: :mod:`service.keys.filestore` (a JSON file, the default) and
@@ -14,7 +15,7 @@ picks one; this interface imports neither.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Hashable
+from collections.abc import AsyncGenerator, Collection, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,9 +45,13 @@ class NotInitialised(KeystoreError):
 @dataclass(frozen=True, slots=True)
 class Changed:
     """The stored keyring changed to ``generation``; None: it may have (a notification may have
-    been missed while the channel was (re)connecting)."""
+    been missed while the channel was (re)connecting). ``keys``: the keys whose stored rows
+    that change wrote or removed; None: not said (too many to name, or an older writer). A
+    hint for reading less, never trusted: what is read is verified against the MAC over the
+    whole document all the same."""
 
     generation: int | None = None
+    keys: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,13 @@ class KeyStore(Protocol):
 
     def read(self) -> RawDocument | None:
         """The whole document, consistent (None: nothing stored yet)."""
+
+    def read_keys(self, base: RawDocument, names: Collection[str]) -> RawDocument | None:
+        """The document as stored now, reading only its header (MAC included), its approvals
+        and the rows of the keys ``names``; every other key as in ``base`` (a document this
+        process read and verified before; never changed). Right only when no other key
+        changed since ``base``: the caller verifies the MAC over the whole result and reads
+        everything when it fails. A store without rows to pick returns :meth:`read`."""
 
     def stamp(self) -> Hashable:
         """Changes whenever the stored document changes; cheap (a stat, one small query)."""

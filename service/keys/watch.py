@@ -185,6 +185,7 @@ class KeyringWatcher:
                 if isinstance(notice, Announced):
                     self.replicas.heard(notice.replica, notice.generation)
                     continue
+                self._manager.heard(notice)  # which keys to read, before the check reads
                 try:
                     await self.refresh(notice.generation)
                 except Exception as exc:
