@@ -282,6 +282,10 @@ def test_notification_payloads() -> None:
     assert parse_notice(CHANNEL, "3") == Changed(3, None)
     # A name no key can have, or words out of place: the generation only, never the names.
     assert parse_notice(CHANNEL, "4 keys a b/c") == Changed(4, None)
+    # The service's own keys (the audit signing key) are named like any other.
+    assert parse_notice(CHANNEL, "5 keys cryptd:audit-signing") == Changed(
+        5, frozenset({"cryptd:audit-signing"})
+    )
     assert parse_notice(CHANNEL, "4 names a") == Changed(4, None)
     assert parse_notice(CHANNEL, "x keys a") == Changed(None)
 

@@ -69,7 +69,8 @@ CHANNEL = "cryptd_keyring"
 # Replicas announce the keyring generation they enforce here (service/keys/propagation.py).
 REPLICAS_CHANNEL = "cryptd_replicas"
 _REPLICA_ID = re.compile(r"[0-9a-f]{32}")
-_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# A stored key name (service/keys/keyring.py: a user name, or an internal one)
+_KEY_NAME = re.compile(r"(?:cryptd:)?[A-Za-z0-9_.-]{1,128}")
 LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
 
 LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
