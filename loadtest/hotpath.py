@@ -287,9 +287,15 @@ def measure(
 
 
 async def _fixed_run(
-    dev_dir: Path, scenario: str, requests: int, signed_count: int, concurrency: int, warmup: int
+    dev_dir: Path,
+    scenario: str,
+    requests: int,
+    signed_count: int,
+    concurrency: int,
+    warmup: int,
+    audit: bool = True,
 ) -> None:
-    with application(dev_dir=dev_dir) as (app, credential):
+    with application(audit=audit, dev_dir=dev_dir) as (app, credential):
         async with app.router.lifespan_context(app):
             driver = Driver(app, credential, BY_NAME[scenario])
             await driver.prepare()
@@ -305,9 +311,17 @@ _TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
 
 def instructions(
-    scenario: str, *, low: int = 200, high: int = 1200, concurrency: int = 16, warmup: int = 300
+    scenario: str,
+    *,
+    low: int = 200,
+    high: int = 1200,
+    concurrency: int = 16,
+    warmup: int = 300,
+    audit: bool = True,
+    keep: Path | None = None,
 ) -> float:
-    """Instructions per request (callgrind), from two runs of ``low`` and ``high`` requests."""
+    """Instructions per request (callgrind), from two runs of ``low`` and ``high`` requests
+    (``keep``: a directory that receives both callgrind files, for callgrind_annotate)."""
     counts = []
     with tempfile.TemporaryDirectory(prefix="cryptd-callgrind-") as scratch:
         dev_dir = Path(scratch) / "dev"  # keys generated once, outside the counted runs
@@ -323,7 +337,7 @@ def instructions(
                 "-m",
                 "loadtest.hotpath",
                 "--fixed-run",
-                f"{dev_dir}:{scenario}:{requests}:{high}:{concurrency}:{warmup}",
+                f"{dev_dir}:{scenario}:{requests}:{high}:{concurrency}:{warmup}:{int(audit)}",
             ]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -332,6 +346,9 @@ def instructions(
             if found is None:
                 raise RuntimeError("no totals in the callgrind output")
             counts.append(int(found.group(1)))
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                out.replace(keep / f"callgrind.{scenario}.{'audit' if audit else 'off'}.{requests}")
     return (counts[1] - counts[0]) / (high - low)
 
 
@@ -350,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-audit", action="store_true", help="audit log off")
     parser.add_argument("--callgrind", action="store_true", help="instructions per request")
+    parser.add_argument(
+        "--keep", type=Path, help="with --callgrind: keep the callgrind files in this directory"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--record-budget",
@@ -372,12 +392,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text)
         return 0 if ok else 1
     if args.fixed_run:
-        directory, name, requests, signed, concurrency, warmup = args.fixed_run.split(":")
+        directory, name, requests, signed, concurrency, warmup, audit = args.fixed_run.split(":")
         import uvloop
 
         uvloop.run(
             _fixed_run(
-                Path(directory), name, int(requests), int(signed), int(concurrency), int(warmup)
+                Path(directory),
+                name,
+                int(requests),
+                int(signed),
+                int(concurrency),
+                int(warmup),
+                audit=audit == "1",
             )
         )
         return 0
@@ -386,7 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(unknown)}")
     if args.callgrind:
-        rows = {name: instructions(name, concurrency=args.concurrency) for name in names}
+        rows = {
+            name: instructions(
+                name, concurrency=args.concurrency, audit=not args.no_audit, keep=args.keep
+            )
+            for name in names
+        }
         if args.json:
             print(orjson.dumps(rows).decode())
         else:

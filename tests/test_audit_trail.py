@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from service.audit import chain, redact
+from service.audit import writer as writer_module
 from service.audit.verify import verify
 from service.audit.writer import AuditWriter
 from service.logs.audit import Audit, RequestRecord
@@ -41,7 +42,7 @@ def record(n: int, **extra: Any) -> RequestRecord:
 def open_audit(path: Path, **options: Any) -> Audit:
     audit = Audit(None, fail_closed=True, mac=redact.salted(b"s" * 32))
     options.setdefault("checkpoint_every", 5)
-    audit.trail = AuditWriter(str(path), format=audit.fields, signer=sign, **options)
+    audit.trail = AuditWriter(str(path), format=audit.body, signer=sign, **options)
     audit.enabled = audit.fail_closed = True
     return audit
 
@@ -98,14 +99,14 @@ async def test_many_waiting_records_share_one_write(
     path = tmp_path / "audit.log"
     audit = open_audit(path, checkpoint_every=10_000)
     syncs = 0
-    real = os.fdatasync
+    real = writer_module._write_durably
 
-    def counting(fd: int) -> None:
+    def counting(fd: int, data: bytes) -> None:
         nonlocal syncs
         syncs += 1
-        real(fd)
+        real(fd, data)
 
-    monkeypatch.setattr(os, "fdatasync", counting)  # counts the real call; still synced
+    monkeypatch.setattr(writer_module, "_write_durably", counting)  # counted; still synced
     try:
         assert all(await commit_all(audit, 0, 500))
     finally:
@@ -114,16 +115,43 @@ async def test_many_waiting_records_share_one_write(
     assert 1 <= syncs < 100, syncs
 
 
-def counted_syncs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """When each real fdatasync returned (monotonic)."""
-    done: list[float] = []
+@pytest.mark.parametrize("dsync", [True, False], ids=["pwritev2-dsync", "write-fdatasync"])
+def test_a_durable_write_appends_whole_with_or_without_rwf_dsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dsync: bool
+) -> None:
+    """RWF_DSYNC where the kernel has it, else write + fdatasync: the same bytes appended."""
+    if dsync and not writer_module._DSYNC:
+        pytest.skip("no pwritev2 RWF_DSYNC here")
+    if not dsync:
+        monkeypatch.setattr(writer_module, "_DSYNC", 0)
+    synced: list[int] = []
     real = os.fdatasync
 
     def counting(fd: int) -> None:
+        synced.append(fd)
         real(fd)
-        done.append(time.monotonic())
 
     monkeypatch.setattr(os, "fdatasync", counting)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        writer_module._write_durably(fd, b"one\n")
+        writer_module._write_durably(fd, b"two\n" * 1000)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"one\n" + b"two\n" * 1000
+    assert len(synced) == (0 if dsync else 2)
+
+
+def counted_syncs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each durable write (write and sync) returned (monotonic)."""
+    done: list[float] = []
+    real = writer_module._write_durably
+
+    def counting(fd: int, data: bytes) -> None:
+        real(fd, data)
+        done.append(time.monotonic())
+
+    monkeypatch.setattr(writer_module, "_write_durably", counting)
     return done
 
 
@@ -223,6 +251,29 @@ async def test_sensitive_values_are_hmacs_an_auditor_can_match(tmp_path: Path) -
     assert line["context"] == [redact.hashed(mac, "tenant-4")]
     assert line["aad"][0].startswith("hmac-sha256:")
     assert (line["client"], line["key"], line["key_version"]) == ("billing", "payments", 3)
+
+
+@pytest.mark.parametrize("hash_key_names", [False, True])
+def test_a_serialized_record_is_its_fields_whatever_the_shape(hash_key_names: bool) -> None:
+    """body() (the writer's format: a plain request's repeated middle serialized once) writes
+    exactly orjson.dumps(fields()), for plain records, records with a target key, a route,
+    detail, HMAC'd values, a version list, and again once that middle is cached."""
+    from service.operations import EncryptItem
+
+    audit = Audit(None, mac=redact.salted(b"k" * 32), hash_key_names=hash_key_names)
+    shapes = [
+        record(1),
+        record(2, values=(EncryptItem(plaintext=b"p"),)),  # values, none sensitive
+        record(3, values=(EncryptItem(plaintext=b"p", aad=b"a"),)),
+        record(4)._replace(key_version=(1, 2), items=2),
+        record(5, target_key="other"),
+        record(6, detail={"state": "disabled", "event": "not this"}),
+        record(7, method="POST", path="/v1/x")._replace(status=401, outcome="unauthenticated"),
+        record(8)._replace(request_id='quote " and \\ backslash', client=None, key=None),
+        record(9)._replace(key_version=[1, 2]),  # type: ignore[arg-type]  # unhashable: slow path
+    ]
+    for shape in shapes * 2:
+        assert audit.body(shape) == orjson.dumps(audit.fields(shape)), shape
 
 
 def test_key_names_are_hashed_when_configured() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import fcntl
 import glob
 import logging
@@ -47,8 +48,9 @@ RETRY_INTERVAL = 1.0  # seconds between probes of a file that could not be writt
 GROUP_DELAY = 0.001  # default: the most a record waits for running requests to join its sync
 GROUP_MAX = 512  # records that start a sync without waiting for the others
 
-Format = Callable[[Any], dict[str, Any]]
-"""format(record) -> the line's fields (after seq and prev), run on the writer thread."""
+Format = Callable[[Any], dict[str, Any] | bytes]
+"""format(record) -> the line's fields (after seq and prev), run on the writer thread: a dict,
+or those fields already serialized as one JSON object."""
 
 
 class SecondarySink(Protocol):
@@ -116,7 +118,11 @@ class AuditWriter:
         self._on_failure = on_failure
         self._secondary = secondary
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._wake = threading.Event()
+        # The writer's wake-up: a lock held while none is pending, released to wake it (any
+        # thread may release a Lock). Half the CPU of an Event's set/wait/clear, which runs a
+        # Condition in Python, once per group on each side.
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._kick_due = False  # a wake-up is scheduled on the loop
         self._timer: asyncio.TimerHandle | None = None  # the group's deadline
         self._group_delay = group_delay
@@ -152,16 +158,17 @@ class AuditWriter:
         if self._pending:
             self._group(asyncio.get_running_loop())
 
-    async def commit(self, record: Any, *, begun: bool = False) -> bool:
-        """True once ``record`` is on disk; False when it could not be written. ``begun``: the
-        request was counted by :meth:`begin`."""
+    def commit(self, record: Any, *, begun: bool = False) -> asyncio.Future[bool]:
+        """To await on the event loop: True once ``record`` is on disk; False when it could not
+        be written. ``begun``: the request was counted by :meth:`begin`. (A future, not a
+        coroutine: one object fewer to make and step through per request.)"""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((record, future))
         if begun:
             self._running -= 1
         self._group(loop)
-        return await future
+        return future
 
     def _group(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wake the writer once no other request of this loop is about to add its record (or
@@ -180,18 +187,16 @@ class AuditWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        wake = self._wake
-        if not wake.is_set():  # set() costs a Condition round; set means not yet taken
-            wake.set()
+        self._signal()
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
         """Queue ``record`` from any thread; ``done(ok)`` is called from the writer thread."""
         self._pending.append((record, done))
-        self._wake.set()
+        self._signal()
 
     def rotate(self) -> None:
         self._rotate = True
-        self._wake.set()
+        self._signal()
 
     def healthy(self) -> bool:
         return self.error is None
@@ -199,13 +204,19 @@ class AuditWriter:
     def flush(self, timeout: float = 5.0) -> bool:
         done = threading.Event()
         self._pending.append((None, lambda ok: done.set()))
-        self._wake.set()
+        self._signal()
         return done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True
-        self._wake.set()
+        self._signal()
         self._thread.join(timeout)
+
+    def _signal(self) -> None:
+        """Wake the writer (at once if it waits, else after the batch it is writing)."""
+        if self._wake.locked():
+            with contextlib.suppress(RuntimeError):  # another thread released it just now
+                self._wake.release()
 
     # -- the writer thread --------------------------------------------------------------------
 
@@ -217,8 +228,7 @@ class AuditWriter:
         with contextlib.suppress(AttributeError, OSError):  # Linux only; never fatal
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         while True:
-            self._wake.wait(self._wait_time())
-            self._wake.clear()
+            self._wake.acquire(timeout=self._wait_time())  # takes the wake-up if one is pending
             batch: list[_Pending] = []
             pending = self._pending
             while pending:
@@ -246,7 +256,8 @@ class AuditWriter:
             told = waiters
             if record is not None:  # else a flush marker: told how the batch went
                 try:
-                    fields.append(orjson.dumps(self._format(record)))
+                    body = self._format(record)
+                    fields.append(body if type(body) is bytes else orjson.dumps(body))
                 except Exception as exc:  # a bug in a record's fields: that request is refused
                     log.error(
                         "audit record not formatted", extra={"error_type": type(exc).__name__}
@@ -254,7 +265,11 @@ class AuditWriter:
                     self._failed(1, "an audit record could not be formatted")
                     told = refused
             if isinstance(waiter, asyncio.Future):
-                told.by_loop.setdefault(waiter.get_loop(), []).append(waiter)
+                loop = waiter.get_loop()
+                if loop in told.by_loop:
+                    told.by_loop[loop].append(waiter)
+                else:
+                    told.by_loop[loop] = [waiter]
             elif waiter is not None:
                 told.callbacks.append(waiter)
         refused.settle(False)
@@ -308,8 +323,7 @@ class AuditWriter:
                 since = 0
         data = b"".join(lines)
         try:
-            _write_all(self._fd, data)
-            os.fdatasync(self._fd)
+            _write_durably(self._fd, data)
         except OSError as exc:
             self._roll_back()
             self._failed(len(fields), _reason(exc))
@@ -469,10 +483,30 @@ def _last_complete(fd: int) -> Head | None:
     return chain.head_of(lines[-1]) if lines else None
 
 
-def _write_all(fd: int, data: bytes) -> None:
+# pwritev2's RWF_DSYNC (Linux 4.7): the write is durable when it returns, as after write +
+# fdatasync (the kernel syncs the range written and the metadata needed to read it back), in
+# one system call: one GIL release and re-take fewer per group, on a core the loop shares.
+_DSYNC: int = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
+
+
+def _write_durably(fd: int, data: bytes) -> None:
+    """Append ``data`` to ``fd`` (opened ``O_APPEND``) and return once it is on disk."""
+    global _DSYNC
+    if _DSYNC:
+        try:
+            written = os.pwritev(fd, [data], -1, _DSYNC)  # -1: at the file offset (the end)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            _DSYNC = 0  # a kernel or file system without it: write + fdatasync from now on
+        else:
+            if written == len(data):
+                return
+            data = data[written:]  # a short write (a full disk): the rest, then a sync
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+    os.fdatasync(fd)
 
 
 def _sync_directory(path: str) -> None:

@@ -10,7 +10,7 @@ neither chained nor waited for (development, or a platform that ships stderr).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import orjson
@@ -23,6 +23,7 @@ from service.logs.fields import timestamp
 from service.logs.writer import LineWriter
 
 _SCALAR_VERSION = (int, type(None))  # a tuple: `int | None` would build a union per call
+_EPOCH_TS = b'{"ts":"' + timestamp(0.0).encode() + b'"'  # a line's start, up to its time
 
 # Request values an auditor may need to match but the log must not hold (their HMAC is kept).
 SENSITIVE = ("aad", "context", "signer_id")
@@ -72,6 +73,7 @@ class Audit:
         self.fail_closed = fail_closed and trail is not None
         self._mac = mac
         self._hash_key_names = hash_key_names and mac is not None
+        self._middles: dict[tuple[Any, ...], bytes] = {}  # see body()
 
     @classmethod
     def to_file(
@@ -101,7 +103,7 @@ class Audit:
         audit.trail = AuditWriter(
             path,
             index=index,
-            format=audit.fields,
+            format=audit.body,
             signer=keyring_signer(manager, signing_key_type),
             checkpoint_every=checkpoint_every,
             checkpoint_interval=checkpoint_interval,
@@ -125,13 +127,17 @@ class Audit:
         if self.trail is not None:
             self.trail.end()
 
-    async def commit(self, record: RequestRecord, *, begun: bool = False) -> bool:
-        """True once ``record`` is durable (at once for stderr); False when it could not be
-        written (the caller refuses the request when :attr:`fail_closed`). ``begun``: the
-        request was counted by :meth:`begin`."""
+    def commit(self, record: RequestRecord, *, begun: bool = False) -> Awaitable[bool]:
+        """To await: True once ``record`` is durable (at once for stderr); False when it could
+        not be written (the caller refuses the request when :attr:`fail_closed`). ``begun``:
+        the request was counted by :meth:`begin`. (The trail's future itself, not a coroutine
+        around it: one object and one step fewer per request.)"""
         trail = self.trail
         if trail is not None:
-            return await trail.commit(record, begun=begun)
+            return trail.commit(record, begun=begun)
+        return self._commit_stderr(record)
+
+    async def _commit_stderr(self, record: RequestRecord) -> bool:
         if self._writer is not None:
             self._writer.write((self._stderr_line, (record,)), wait=True)
         return True
@@ -171,6 +177,14 @@ class Audit:
     def fields(self, record: RequestRecord) -> dict[str, Any]:
         """The record's line fields (after ``seq`` and ``prev``): identifiers and outcomes in
         clear, sensitive values as HMACs, never a value of the request's payload."""
+        line = self._plain_fields(record)
+        mac = self._mac
+        if record.values and mac is not None:
+            line.update(_sensitive(mac, record.values))
+        return line
+
+    def _plain_fields(self, record: RequestRecord) -> dict[str, Any]:
+        """:meth:`fields` but the sensitive values' HMACs."""
         key, target, path = record.key, record.target_key, record.path
         mac = self._mac
         if self._hash_key_names and mac is not None:
@@ -196,9 +210,53 @@ class Audit:
             line["path"] = path
         if record.detail:
             line.update({k: v for k, v in record.detail.items() if k not in line})
-        if record.values and mac is not None:
-            line.update(_sensitive(mac, record.values))
         return line
+
+    def body(self, record: RequestRecord) -> bytes:
+        """:meth:`fields` serialized (the writer thread's format), the same bytes. A plain
+        request's record (no target key, route, detail or sensitive value) repeats all but its
+        time and request id from the records before it: that middle is serialized (and its key
+        name HMAC'd) once per distinct value, which halves the writer's formatting CPU."""
+        values, mac = record.values, self._mac
+        sensitive = _sensitive(mac, values) if values and mac is not None else None
+        if sensitive or record.target_key is not None or record.method is not None or record.detail:
+            line = self._plain_fields(record)
+            if sensitive:
+                line.update(sensitive)
+            return orjson.dumps(line)
+        repeated = (
+            record.event,
+            record.outcome,
+            record.status,
+            record.client,
+            record.key,
+            record.key_version,
+            record.items,
+        )
+        try:
+            middle = self._middles.get(repeated)
+        except TypeError:  # an unhashable value (a list where a tuple was expected)
+            return orjson.dumps(self.fields(record))
+        if middle is None:
+            middle = self._middle(record, repeated)
+        return b"".join(
+            (
+                b'{"ts":"',
+                timestamp(record.when).encode(),
+                middle,
+                orjson.dumps(record.request_id),
+                b"}",
+            )
+        )
+
+    def _middle(self, record: RequestRecord, repeated: tuple[Any, ...]) -> bytes:
+        whole = orjson.dumps(self._plain_fields(record._replace(when=0.0, request_id=None)))
+        # {"ts":"1970-...Z","event":...,"request_id":null} -> ","event":...,"request_id":
+        middle = b'"' + whole[len(_EPOCH_TS) : -len(b"null}")]
+        if len(self._middles) >= _AUDIT_MIDDLES_MAX:
+            self._middles.clear()
+        self._middles[repeated] = middle
+        return middle
 
     def _stderr_line(self, fields: tuple[Any, ...]) -> bytes:
         line = {"level": "info", "logger": "cryptd.audit", "msg": "audit"}
@@ -245,6 +303,8 @@ def _sensitive(mac: redact.Mac, values: tuple[Any, ...]) -> dict[str, list[str]]
         signer_id = getattr(options, "signer_id", None)
         if signer_id is not None:
             found.setdefault("signer_id", []).append(signer_id)
+    if not found:  # the common case: nothing to HMAC
+        return {}
     return {name: redact.hashed_all(mac, found[name]) for name in SENSITIVE if name in found}
 
 
