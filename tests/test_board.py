@@ -326,3 +326,67 @@ def test_notifications_are_parsed_and_anything_else_ignored() -> None:
     for payload in ("ab" * 16, "xy" * 16 + " 3", "ab" * 16 + " -3", "ab" * 17 + " 3", ""):
         assert parse_notice("cryptd_replicas", payload) is None
     assert parse_notice("other", "17") is None
+
+
+async def _until(condition: Callable[[], bool], seconds: float) -> None:
+    for _ in range(int(seconds / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("not in time")
+
+
+class ChannelStore(FileKeyStore):
+    """A file store with a channel the test feeds, recording the announcements made on it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.queue: asyncio.Queue[Changed | Announced] = asyncio.Queue()
+        self.announced: list[int] = []
+
+    def notifications(self) -> Any:
+        async def stream() -> Any:
+            while True:
+                yield await self.queue.get()
+
+        return stream()
+
+    def announce(self, replica: str, generation: int) -> None:
+        self.announced.append(generation)
+
+
+async def test_an_announcement_is_heard_while_the_change_before_it_is_being_loaded(
+    tmp_path: Path,
+) -> None:
+    """The notification of a change starts a store check that takes a while; another
+    replica's announcement arriving meanwhile is heard at once, not after that check (a
+    committing worker's answer waits for exactly such announcements, and its own change's
+    notification starts a check on it too)."""
+    committing = _manager(tmp_path, Board(tmp_path / "one.board"))
+    store = ChannelStore(tmp_path / "keyring.json")
+    serving = KeyManager(store, MASTER, board=Board(tmp_path / "other.board"))
+    serving.load()
+    release = threading.Event()
+
+    async def run_blocking(call: Callable[[], Any]) -> Any:
+        def gated() -> Any:
+            release.wait(10)
+            return call()
+
+        return await asyncio.to_thread(gated if call == serving.refresh else call)
+
+    watcher = KeyringWatcher(serving, interval=3600, run_blocking=run_blocking, heartbeat=3600)
+    watcher.start()
+    try:
+        committing.create("k", "aes256-gcm")
+        generation = committing.keyring.generation
+        await store.queue.put(Changed(generation, frozenset({"k"})))
+        await store.queue.put(Announced("b" * 32, generation))
+        await _until(lambda: watcher.replicas.live() == {"b" * 32: generation}, 5)
+        assert serving.keyring.generation < generation  # still loading the change
+        release.set()
+        await _until(lambda: generation in store.announced, 10)
+        assert serving.keyring.generation == generation
+    finally:
+        release.set()
+        await watcher.close()

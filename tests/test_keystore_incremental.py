@@ -319,3 +319,30 @@ def _listening(url: str) -> bool:
 
 async def wait(predicate: Callable[[], bool]) -> None:
     await asyncio.to_thread(wait_for, predicate)  # the event loop stays free for the watcher
+
+
+def test_the_committing_worker_checks_its_own_change_without_reading_the_rows(
+    pg_database: str, pair: tuple[KeyManager, KeyManager]
+) -> None:
+    """The committing worker hears its own change's notification too, and its check comes
+    after the commit: the header alone says the store holds what it serves (no row read). A
+    change committed meanwhile by another writer, not heard of, is still read whole."""
+    writer, other = pair
+    notice = notified(pg_database, lambda: writer.update("k03", state=DISABLED))
+    served = writer.keyring
+    read_before = rows_read(writer)
+    writer.heard(notice)
+    assert writer.refresh() is False
+    assert rows_read(writer) == read_before
+    assert writer.keyring is served
+    assert writer.last_reload_error is None
+
+    # Once only: the next change of its own, then another writer's it did not hear of.
+    notice = notified(pg_database, lambda: writer.update("k04", state=DISABLED))
+    writer.heard(notice)
+    other.refresh()
+    other.update("k05", state=DISABLED)
+    read_before = rows_read(writer)
+    assert writer.refresh() is True
+    assert rows_read(writer) - read_before == total_rows(writer)  # whole
+    assert writer.keyring.digest == other.keyring.digest

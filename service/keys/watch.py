@@ -53,6 +53,7 @@ class KeyringWatcher:
         self._task_started = float("-inf")  # when the check in flight (or the last) started
         self._completed_started = float("-inf")  # start of the newest finished check
         self._tasks: list[asyncio.Task[None]] = []
+        self._following: set[asyncio.Task[None]] = set()  # changes being loaded, announced
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._backstop()))
@@ -77,10 +78,12 @@ class KeyringWatcher:
         return self._manager.caught_up(enforced)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._following]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._following.clear()
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await self._task
@@ -180,21 +183,32 @@ class KeyringWatcher:
                 log.error("keyring check failed", extra={"error_type": type(exc).__name__})
 
     async def _listen(self, stream: AsyncGenerator[Notice, None]) -> None:
+        """Read the notifications as they come. A change is loaded and announced in a task of
+        its own: the next notification, another replica's announcement above all, is never
+        read only after a store check. (Awaiting the check here held the announcements a
+        committing worker's answer waits for behind the check its own change's notification
+        started: a whole store read, hundreds of milliseconds under load.)"""
         try:
             async for notice in stream:
                 if isinstance(notice, Announced):
                     self.replicas.heard(notice.replica, notice.generation)
                     continue
                 self._manager.heard(notice)  # which keys to read, before the check reads
-                try:
-                    await self.refresh(notice.generation)
-                except Exception as exc:
-                    log.error("keyring check failed", extra={"error_type": type(exc).__name__})
-                # The refresh raised the board (or a sibling's did): the whole host enforces
-                # the change now; the replica that made it is waiting to hear so.
-                await self.announce()
+                task = asyncio.create_task(self._follow(notice.generation))
+                self._following.add(task)
+                task.add_done_callback(self._following.discard)
         finally:
             await stream.aclose()  # closes the listening connection when cancelled
+
+    async def _follow(self, generation: int | None) -> None:
+        """Load the change a notification named, then say so to the other replicas."""
+        try:
+            await self.refresh(generation)
+        except Exception as exc:
+            log.error("keyring check failed", extra={"error_type": type(exc).__name__})
+        # The refresh raised the board (or a sibling's did): the whole host enforces the
+        # change now; the replica that made it is waiting to hear so.
+        await self.announce()
 
     async def _announce_every(self) -> None:
         while True:
