@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -28,31 +28,20 @@ from service.keys.pgstore import (
 from service.keys.records import wrap_version
 from service.keys.store import Changed
 from service.keys.watch import KeyringWatcher
-from tests.test_keystore_support import wait_for
+from tests.test_keystore_support import (  # noqa: F401 (the fixtures, by name)
+    close_stores_fixture,
+    master_key_fixture,
+    open_store,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
 
 KEYS = 12
 
 
-@pytest.fixture
-def master() -> MasterKey:
-    return MasterKey(os.urandom(32))
-
-
-_opened: list[PostgresKeyStore] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_stores() -> Iterator[None]:
-    yield
-    while _opened:
-        _opened.pop().close()
-
-
 def manager_for(url: str, master: MasterKey) -> KeyManager:
-    store = PostgresKeyStore(url)
-    _opened.append(store)
+    store = open_store(url)
     manager = KeyManager(store, master)
     manager.load()
     return manager
@@ -72,8 +61,7 @@ def total_rows(manager: KeyManager) -> int:
 def pair(pg_database: str, master: MasterKey) -> tuple[KeyManager, KeyManager]:
     """A writer holding KEYS keys (k00 of three versions, the rest of one) and a reader
     that loaded them, on connections of their own."""
-    store = PostgresKeyStore(pg_database)
-    _opened.append(store)
+    store = open_store(pg_database)
     initialise(store, master)
     writer = KeyManager(store, master)
     writer.load()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +21,15 @@ from service.keys.masterkey import MasterKey
 from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import IntegrityError, KeystoreError, NotInitialised
 from service.pgconn import connection_info, describe
+from tests.test_keystore_support import (  # noqa: F401 (the fixtures, by name)
+    close_stores_fixture,
+    master_key_fixture,
+    open_store,
+)
 
 pytestmark = pytest.mark.slow  # a PostgreSQL database for each test
 
 Rows = dict[str, list[tuple[Any, ...]]]
-
-
-@pytest.fixture
-def master() -> MasterKey:
-    return MasterKey(os.urandom(32))
-
-
-_opened: list[PostgresKeyStore] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_stores() -> Iterator[None]:
-    """Every store a test opens is closed after it (an unclosed connection is a warning)."""
-    yield
-    while _opened:
-        _opened.pop().close()
-
-
-def open_store(url: str) -> PostgresKeyStore:
-    store = PostgresKeyStore(url)
-    _opened.append(store)
-    return store
 
 
 @pytest.fixture

@@ -18,7 +18,34 @@ from typing import Any
 
 import pytest
 
+from service.keys.masterkey import MasterKey
+from service.keys.pgstore import PostgresKeyStore
 from tests.conftest import Server, free_port, start_server, stop_server
+
+
+# Fixtures for the PostgreSQL store tests, imported there under these names (pytest finds a
+# fixture by its ``name``; the function names keep the importing module's lint quiet).
+@pytest.fixture(name="master")
+def master_key_fixture() -> MasterKey:
+    return MasterKey(os.urandom(32))
+
+
+_opened: list[PostgresKeyStore] = []
+
+
+@pytest.fixture(name="close_stores", autouse=True)
+def close_stores_fixture() -> Iterator[None]:
+    """Every store a test opened with :func:`open_store` is closed after it (an unclosed
+    connection is a warning). Autouse where a test module imports it."""
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
+def open_store(url: str) -> PostgresKeyStore:
+    store = PostgresKeyStore(url)
+    _opened.append(store)
+    return store
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:

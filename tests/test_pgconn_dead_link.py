@@ -9,8 +9,6 @@ Needs root and iptables (under CI both are there: a skip there is a failure)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -22,6 +20,7 @@ import pytest
 from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import StoreUnavailable
 from service.pgconn import DEFAULTS
+from tests.test_keystore_support import needs_root, needs_tool
 
 pytestmark = pytest.mark.slow
 
@@ -82,11 +81,8 @@ def _link_cut(port: int) -> Iterator[None]:
 
 @pytest.fixture
 def relay() -> Iterator[_Relay]:
-    if os.geteuid() != 0 or shutil.which("iptables") is None:
-        why = "cutting a link needs root and iptables"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why} (both are there under CI)")
-        pytest.skip(why)
+    needs_root("cutting a link with iptables")
+    needs_tool("iptables")
     found = _Relay()
     yield found
     found.close()
