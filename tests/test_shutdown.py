@@ -167,8 +167,15 @@ def test_sigterm_under_load_drops_no_accepted_request(tmp_path: Path) -> None:
     assert all(200 <= s < 300 for s in statuses), sorted(set(statuses))
     drained = [o for o in outcomes if o.status and o.started < signalled < o.ended]
     assert drained, "no request was in flight at SIGTERM: the test proved nothing"
+    # At the signal, an idle kept-alive connection is closed; a request whose bytes were still
+    # unread in its socket then (sent just before the signal, the loop busy with others) is
+    # lost with it, as HTTP/1.1 lets a server close an idle connection (RFC 9112 §9.6: the
+    # client retries). The client's clock starts before it signs and sends: one CI run lost a
+    # request sent 2.5 ms before the signal that way. A request the server had read is never
+    # lost (``drained`` above, and the long batch).
+    unread_window = 0.05
     for number, runs in load.outcomes.items():
         dropped = [o for o in runs if o.error not in (None, "refused")]
         assert len(dropped) <= 1, f"client {number} lost {len(dropped)} requests: {dropped}"
         for outcome in dropped:
-            assert outcome.started >= signalled - 0.001, f"dropped before SIGTERM: {outcome}"
+            assert outcome.started >= signalled - unread_window, f"lost before SIGTERM: {outcome}"
