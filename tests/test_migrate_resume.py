@@ -42,6 +42,7 @@ from tests.migrate_support import (
     sql_args,
     table_of,
 )
+from tests.tcp_relay import pipe
 
 pytestmark = pytest.mark.slow  # a live server, the migration tool interrupted and resumed
 
@@ -376,7 +377,7 @@ class _ResettingProxy:
             threading.Thread(
                 target=self._requests, args=(conn, upstream, doomed), daemon=True
             ).start()
-            threading.Thread(target=self._pipe, args=(upstream, conn), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
 
     def _requests(self, conn: socket.socket, upstream: socket.socket, doomed: bool) -> None:
         seen = 0
@@ -396,18 +397,6 @@ class _ResettingProxy:
             with contextlib.suppress(OSError):
                 upstream.shutdown(socket.SHUT_WR)
             conn.close()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-            source.close()
 
     def close(self) -> None:
         self._listener.close()

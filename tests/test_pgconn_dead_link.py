@@ -20,6 +20,7 @@ import pytest
 from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import StoreUnavailable
 from service.pgconn import DEFAULTS
+from tests.tcp_relay import pipe
 from tests.test_keystore_support import needs_root, needs_tool
 
 pytestmark = pytest.mark.slow
@@ -43,15 +44,7 @@ class _Relay:
             upstream = socket.create_connection(("127.0.0.1", 5432))
             self._sockets += [conn, upstream]
             for source, sink in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
+                threading.Thread(target=pipe, args=(source, sink), daemon=True).start()
 
     def close(self) -> None:
         self._listener.close()

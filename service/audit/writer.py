@@ -4,8 +4,9 @@ One job, kept in one module (over 400 lines): the writer thread, the file it own
 recovery of that file (torn tail, rotation, reopening) share state no other module may touch.
 
 One thread per process owns the file. A request hands over its record and waits (without
-blocking the event loop) until the thread has written it and the ``fdatasync`` that covers it
-returned: every record waiting when a write starts shares that write and that sync (group
+blocking the event loop) until the thread's durable write that covers it returned (one
+``pwritev2`` with ``RWF_DSYNC``, or a write and an ``fdatasync`` where the kernel lacks it):
+every record waiting when a write starts shares that write and that sync (group
 commit), so throughput holds while each answer still follows its record to the disk.
 
 Failure is never silent: a write or sync that fails rolls the file back to the last durable
