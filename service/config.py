@@ -255,8 +255,10 @@ class Settings(SealSettings):
     # service/keys/board.py): cryptd serve makes a private one when unset.
     runtime_dir: Path | None = None
     # How long the answer to a key change waits for the other replicas to enforce it
-    # (service/keys/propagation.py); the answer says which ones did.
-    propagation_timeout: float = Field(default=2.0, ge=0, le=60)
+    # (service/keys/propagation.py); the answer says which ones did. The default outlasts a
+    # silent replica's lease (service/keys/lease.py): an answer never leaves while a replica
+    # may still serve what the change took away.
+    propagation_timeout: float = Field(default=7.0, ge=0, le=60)
     keyring_read_only: bool = False
     # Seconds a new key version waits before encryptions and signatures use it, so that every
     # replica has reloaded it first (Kubernetes: longer than the kubelet's Secret sync period).

@@ -15,6 +15,7 @@ from service import operations, pool_tasks
 from service.batchcost import BatchLimits
 from service.errors import KeyNotFound, Overloaded
 from service.keys.keyring import Key, Keyring
+from service.keys.lease import Lease
 from service.keys.manager import KeyManager
 from service.keys.watch import KeyringWatcher
 from service.operations import Item, Observer, OpName, Outcome
@@ -41,6 +42,7 @@ class CryptoRunner:
         self._keys = keys
         self._board = keys.board.cell  # the host's generation board, read on every request
         self._watcher = watcher
+        self._lease = watcher.lease if watcher is not None else Lease()  # read on every request
         self._executors = executors
         self._single_inline = single_inline
         self._chunk_size = chunk_size
@@ -74,9 +76,10 @@ class CryptoRunner:
     async def key(self, name: str) -> tuple[Keyring, Key]:
         """The snapshot and the key called ``name``; a name this worker does not know is looked
         up in the store once before it is answered 404. A snapshot older than this host's
-        board (a change committed by a sibling) is never used: the store is read first."""
+        board (a change committed by a sibling) is never used: the store is read first, as it
+        is when this worker's lease ran out (a store shared by replicas it lost touch with)."""
         keyring = self._keys.keyring
-        if self._board[0] > keyring.generation:
+        if self._board[0] > keyring.generation or not self._lease.held:
             keyring = await self.current()
         try:
             return keyring, keyring.key(name)

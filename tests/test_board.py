@@ -20,6 +20,7 @@ from service.errors import KeyNotFound, KeystoreUnavailable
 from service.keys.admin import initialise
 from service.keys.board import SIZE, Board
 from service.keys.filestore import FileKeyStore
+from service.keys.lease import Lease
 from service.keys.manager import KeyManager
 from service.keys.masterkey import MasterKey
 from service.keys.pgstore import parse_notice
@@ -390,3 +391,58 @@ async def test_an_announcement_is_heard_while_the_change_before_it_is_being_load
     finally:
         release.set()
         await watcher.close()
+
+
+async def test_a_change_waits_for_its_own_notification_first() -> None:
+    """Announcements committed before the change reach the listener before the change's own
+    notification: until that arrives, the live replicas are not known for sure."""
+    replicas = Replicas(Board(), live_for=6.0)
+    replicas.listening = True
+    replicas.changed(4)
+
+    async def notified_later() -> None:
+        await asyncio.sleep(0.05)
+        replicas.heard("b" * 32, 5)  # announced before the change committed, heard first
+        replicas.changed(5)
+
+    task = asyncio.create_task(notified_later())
+    report = await replicas.confirm(5, timeout=5.0)
+    await task
+    assert (report.replicas, report.confirmed) == (2, 2)
+    assert 0.04 < report.waited < 1.0
+    unheard = await replicas.confirm(6, timeout=0.05)  # never notified: nobody confirmed
+    assert (unheard.replicas, unheard.confirmed, unheard.missing) == (2, 1, ("b" * 32,))
+
+
+async def test_a_silent_replica_is_waited_for_until_it_is_no_longer_live() -> None:
+    """Its lease has run out by then: the answer may leave without it, and says it complete."""
+    replicas = Replicas(Board(), live_for=0.2)
+    replicas.heard("b" * 32, 4)
+    report = await replicas.confirm(5, timeout=5.0)
+    assert (report.replicas, report.confirmed, report.missing) == (1, 1, ())
+    assert 0.15 < report.waited < 1.0
+
+
+def held(lease: Lease) -> bool:
+    return lease.held  # read anew each time (a timer turns it off)
+
+
+async def test_the_lease_runs_out_unless_extended() -> None:
+    loop = asyncio.get_running_loop()
+    lease = Lease(duration=0.1)
+    assert held(lease)  # no other replica: held for good
+    lease.require()
+    assert not held(lease)
+    assert not lease.holds_at(loop.time())
+    lease.extend(loop.time())
+    assert held(lease)
+    await asyncio.sleep(0.06)
+    lease.extend(loop.time())  # extended before it ran out: held on
+    await asyncio.sleep(0.06)
+    assert held(lease)
+    await asyncio.sleep(0.1)
+    assert not held(lease)
+    assert lease.holds_at(lease.until - 0.01)
+    lease.extend(loop.time() - 1.0)  # an announcement older than the lease: changes nothing
+    assert not held(lease)
+    lease.close()

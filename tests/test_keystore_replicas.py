@@ -1,8 +1,8 @@
 """Replicas sharing a PostgreSQL key store, from outside: real server processes (two workers
 each) on one database of the test's own. A key created on one replica is served by the other
 at once, concurrent rotations on both lose nothing, a change reaches every worker through the
-notifications alone, and a database that goes away leaves crypto serving while management
-answers 503 until it is back."""
+notifications alone, and a database that goes away leaves crypto serving for the workers'
+leases (then 503) while management answers 503 until it is back."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.keys.lease import LEASE
 from tests.conftest import Server
 from tests.test_keystore_support import b64, private_postgres, replicas, wait_for
 
@@ -125,54 +126,62 @@ def test_a_change_reaches_every_worker_through_notifications(
             streak = streak + 1 if encrypt(b, "aes256-gcm").json()["key_version"] == 2 else 0
 
 
-def degraded(server: Server) -> bool:
-    """/readyz, from whichever worker answers: serving (200) but degraded, store unreachable."""
+def refusing_keys(server: Server) -> bool:
+    """/readyz, from whichever worker answers: not ready, its lease on the keyring ran out."""
     ready = server.request("GET", "/readyz")
-    body = ready.json()
-    return (
-        ready.status_code == 200
-        and body["status"] == "degraded"
-        and "store_unreachable" in body["checks"]["keyring"]
-    )
+    reasons = " ".join(ready.json()["reasons"])
+    return ready.status_code == 503 and "keyring: the key store has not been reached" in reasons
 
 
 def test_postgres_stopped_under_load(tmp_path: Path, redis_url: str) -> None:
     """A private cluster (never the shared one) is stopped while both replicas serve crypto:
-    every crypto request keeps succeeding from memory, management answers 503
-    keystore_unavailable, /readyz says degraded; once the database is back, everything
-    recovers by itself."""
+    crypto goes on from memory while the workers' leases hold (a few seconds), then answers
+    503 keystore_unavailable with Retry-After (a change made meanwhile could not be known)
+    and /readyz says not ready; management answers 503 throughout; once the database is back,
+    everything recovers by itself. Never another status."""
     with (
         private_postgres() as cluster,
         replicas(tmp_path, cluster.url, env={"CRYPTD_REDIS_URL": redis_url}) as (a, b),
     ):
         token = encrypt(a, "sm4-gcm", b"steady").json()["ciphertext"]
         stop = threading.Event()
-        outcomes: Counter[str] = Counter()
+        answers: list[tuple[float, int, str, str | None]] = []  # sent, status, code, Retry-After
         lock = threading.Lock()
 
         def load(server: Server) -> None:
             while not stop.is_set():
-                for response in (encrypt(server, "aes256-gcm"), decrypt(server, "sm4-gcm", token)):
+                for call in (
+                    partial(encrypt, server, "aes256-gcm"),
+                    partial(decrypt, server, "sm4-gcm", token),
+                ):
+                    sent = time.monotonic()
+                    response = call()
+                    code = "" if response.status_code == 200 else response.json()["error"]["code"]
                     with lock:
-                        outcomes[str(response.status_code)] += 1
+                        answers.append(
+                            (sent, response.status_code, code, response.headers.get("retry-after"))
+                        )
 
         workers = [threading.Thread(target=load, args=(s,)) for s in (a, b) for _ in range(2)]
         for worker in workers:
             worker.start()
         try:
-            wait_for(lambda: sum(outcomes.values()) > 50, what="load to start")
+            wait_for(lambda: len(answers) > 50, what="load to start")
             cluster.stop()
+            stopped = time.monotonic()
             for server in (a, b):
-                wait_for(partial(degraded, server), what="the replica to notice")
                 refused = server.request("POST", "/v1/keys/during", {"type": "aes256-gcm"})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "keystore_unavailable"
-                assert "unreachable" in refused.json()["error"]["message"]
+                assert refused.headers["retry-after"]
                 rotate = server.request("POST", "/v1/keys/aes256-gcm/rotate")
                 assert rotate.status_code == 503
-            during = sum(outcomes.values())
-            wait_for(lambda: sum(outcomes.values()) > during + 100, what="load during the outage")
-
+            for server in (a, b):
+                wait_for(partial(refusing_keys, server), timeout=20, what="the lease to run out")
+            # Every worker's lease has run out by then (it ran from an announcement before
+            # the stop); the load goes on a moment more against them all.
+            time.sleep(max(0.0, stopped + LEASE + 1.5 - time.monotonic()))
+            restarting = time.monotonic()
             cluster.start()
             for server in (a, b):
 
@@ -180,14 +189,27 @@ def test_postgres_stopped_under_load(tmp_path: Path, redis_url: str) -> None:
                     return bool(server.request("GET", "/readyz").json()["status"] == "ready")
 
                 wait_for(ready, timeout=30, what="recovery")
+            recovered = time.monotonic()
             created = a.request("POST", "/v1/keys/after", {"type": "aes256-gcm"})
             assert created.status_code == 201, created.text
             assert encrypt(b, "after").status_code == 200
+            wait_for(lambda: answers[-1][0] > recovered + 1, what="load after the recovery")
         finally:
             stop.set()
             for worker in workers:
                 worker.join()
-        assert set(outcomes) == {"200"}, outcomes
+        assert {status for _, status, _, _ in answers} <= {200, 503}
+        refusals = [(code, retry) for _, status, code, retry in answers if status == 503]
+        assert refusals, "crypto never stopped while the store was down"
+        assert {code for code, _ in refusals} == {"keystore_unavailable"}
+        assert all(retry for _, retry in refusals), "a 503 without Retry-After"
+        served_on = [sent for sent, status, _, _ in answers if status == 200 and sent > stopped]
+        assert served_on, "crypto stopped with the store at once"
+        assert min(served_on) < stopped + 1
+        after_leases = [s for sent, s, _, _ in answers if stopped + LEASE < sent < restarting]
+        assert after_leases
+        assert set(after_leases) == {503}, "a key served after every lease ran out"
+        assert all(status == 200 for sent, status, _, _ in answers if sent > recovered + 0.5)
         assert b.request("GET", "/v1/keys/during").status_code == 404  # nothing half-written
 
 

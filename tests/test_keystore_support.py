@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,7 @@ def without_file_access_override() -> list[str]:
 
 def start_replicas(
     directory: Path,
-    keystore_url: str,
+    keystore_url: str | Sequence[str],
     *,
     count: int = 2,
     workers: int = 2,
@@ -150,16 +150,23 @@ def start_replicas(
 ) -> list[Server]:
     """``count`` development servers of ``workers`` workers each on one PostgreSQL key store:
     the first creates the development state (master key, client, keys), the others get a
-    copy of its directory, as replicas share one master key and one clients file."""
-    settings = {"CRYPTD_KEYSTORE_URL": keystore_url, **(env or {})}
-    servers = [start_server(directory / "replica-0", settings, workers=workers)]
+    copy of its directory, as replicas share one master key and one clients file. Several
+    URLs: one replica each (the same database reached by different paths)."""
+    urls = [keystore_url] * count if isinstance(keystore_url, str) else list(keystore_url)
+
+    def settings(index: int) -> dict[str, str]:
+        return {"CRYPTD_KEYSTORE_URL": urls[index], **(env or {})}
+
+    servers = [start_server(directory / "replica-0", settings(0), workers=workers)]
     try:
-        for index in range(1, count):
+        for index in range(1, len(urls)):
             state = directory / f"replica-{index}" / "dev"
             state.mkdir(parents=True)
             for name in ("master.key", "clients.json"):
                 shutil.copy2(directory / "replica-0" / "dev" / name, state / name)
-            servers.append(start_server(directory / f"replica-{index}", settings, workers=workers))
+            servers.append(
+                start_server(directory / f"replica-{index}", settings(index), workers=workers)
+            )
     except BaseException:
         for server in servers:
             stop_server(server)
@@ -168,7 +175,9 @@ def start_replicas(
 
 
 @contextlib.contextmanager
-def replicas(directory: Path, keystore_url: str, **options: Any) -> Iterator[list[Server]]:
+def replicas(
+    directory: Path, keystore_url: str | Sequence[str], **options: Any
+) -> Iterator[list[Server]]:
     servers = start_replicas(directory, keystore_url, **options)
     try:
         yield servers

@@ -9,7 +9,6 @@ Needs root and iptables (under CI both are there: a skip there is a failure)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -20,38 +19,10 @@ import pytest
 from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import StoreUnavailable
 from service.pgconn import DEFAULTS
-from tests.tcp_relay import pipe
+from tests.tcp_relay import Relay
 from tests.test_keystore_support import needs_root, needs_tool
 
 pytestmark = pytest.mark.slow
-
-
-class _Relay:
-    """Bytes to and from 127.0.0.1:5432, through a listening port of its own."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", 5432))
-            self._sockets += [conn, upstream]
-            for source, sink in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=pipe, args=(source, sink), daemon=True).start()
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the pipe blocked on it
-            sock.close()
 
 
 def _rules(port: int) -> list[list[str]]:
@@ -73,16 +44,16 @@ def _link_cut(port: int) -> Iterator[None]:
 
 
 @pytest.fixture
-def relay() -> Iterator[_Relay]:
+def relay() -> Iterator[Relay]:
     needs_root("cutting a link with iptables")
     needs_tool("iptables")
-    found = _Relay()
+    found = Relay(5432)
     yield found
     found.close()
 
 
 def test_a_statement_on_a_dead_link_fails_within_seconds_and_the_store_recovers(
-    pg_database: str, relay: _Relay
+    pg_database: str, relay: Relay
 ) -> None:
     url = pg_database.replace("127.0.0.1:5432", f"127.0.0.1:{relay.port}")
     store = PostgresKeyStore(url)
@@ -104,7 +75,7 @@ def test_a_statement_on_a_dead_link_fails_within_seconds_and_the_store_recovers(
 
 
 def test_a_statement_waiting_for_its_answer_when_the_link_dies_fails_within_seconds(
-    pg_database: str, relay: _Relay
+    pg_database: str, relay: Relay
 ) -> None:
     """Everything sent was acknowledged before the cut: only the keepalives can tell the
     answer will never come (idle, then probes that go unanswered past tcp_user_timeout)."""

@@ -262,8 +262,16 @@ def create_app(
             detail.update(degraded=f"seal: {status.reason}", reason=status.reason)
         return True, detail
 
+    async def lease_ready() -> tuple[bool, dict[str, Any]]:
+        # Keys are refused while the lease is out: the balancer should send requests elsewhere.
+        why = await watcher.regain()
+        if why is None:
+            return True, {}
+        return False, {"reason": f"keyring: {why}"}
+
     readiness: list[tuple[str, ReadinessCheck]] = [
         ("seal", seal_ready),
+        ("keyring_lease", lease_ready),
         ("pool", pool_ready),
         ("replay_store", replay_ready),
         ("audit", audit_ready),

@@ -6,14 +6,19 @@ keyring generation in force (its board rose), and every :data:`HEARTBEAT` second
 So each worker knows the live replicas (heard from within :data:`LIVE` seconds) and the
 newest generation each one enforces.
 
-The worker that committed a change waits, at most ``timeout``, until every live replica has
-announced that generation or a newer one, then answers; the answer's ``X-Cryptd-Propagation``
-header says how many replicas there were, how many confirmed, how long the wait took and
-which replicas did not confirm in time. A confirmation means the whole replica refuses what
-the change took away: its board is raised, and none of its workers uses a key without
-comparing the board first. A replica that did not confirm (cut off from the database,
-overloaded, dead but not yet forgotten) is named; it enforces the change once it hears of it
-(the notification, or its periodic store check).
+The worker that committed a change first hears its own change's notification on the
+channel (notifications reach a listener in commit order, so every announcement committed
+before the change has been heard by then: a replica that announced itself and then read the
+store either read the change or is waited for). It then waits, at most ``timeout``, until
+every live replica has announced that generation or a newer one, or has stopped being live
+(its workers' leases ran out before that: service/keys/lease.py), then answers; the answer's
+``X-Cryptd-Propagation`` header says how many replicas there were, how many confirmed, how
+long the wait took and which replicas did not confirm in time. A confirmation means the whole
+replica refuses what the change took away: its board is raised, and none of its workers uses
+a key without comparing the board first. A replica that did not confirm within a ``timeout``
+shorter than its lease (cut off from the database, overloaded) is named; it enforces the
+change once it hears of it (the notification, its periodic store check, or the store read
+that regains its lease).
 
 A store without a channel (the keyring file) has one replica per host: the board is the whole
 story there, and the header says ``replicas=1, confirmed=1``.
@@ -72,6 +77,19 @@ class Replicas:
         self._clock = clock
         self._heard: dict[str, tuple[int, float]] = {}  # replica -> (generation, when)
         self._waiters: set[asyncio.Future[None]] = set()
+        self.listening = False  # the channel is read: own changes' notifications are heard
+        self._newest_change = 0  # the newest change generation the channel brought
+
+    def changed(self, generation: int) -> None:
+        """A change's notification arrived (this worker's own ones included)."""
+        if generation > self._newest_change:
+            self._newest_change = generation
+            self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     @property
     def me(self) -> str:
@@ -84,9 +102,7 @@ class Replicas:
         known = self._heard.get(replica)
         newest = generation if known is None else max(known[0], generation)
         self._heard[replica] = (newest, self._clock())
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
 
     def live(self) -> dict[str, int]:
         """The other replicas heard from within the live window, and their generations."""
@@ -99,12 +115,26 @@ class Replicas:
         """The live replicas that have not announced ``generation`` (or a newer one)."""
         return sorted(r for r, g in self.live().items() if g < generation)
 
+    def _forgotten_in(self, replicas: list[str]) -> float:
+        """Seconds until the first of ``replicas`` stops being live (if none announces)."""
+        now = self._clock()
+        return min(self._heard[r][1] + self._live_for - now for r in replicas)
+
     async def confirm(self, generation: int, timeout: float) -> Propagation:  # noqa: ASYNC109
-        """Wait until every live replica enforces ``generation``, or ``timeout`` seconds."""
+        """Wait until this worker has heard its change's notification and every live replica
+        enforces ``generation`` or is no longer live, or ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout
-        while (missing := self.behind(generation)) and (remaining := deadline - loop.time()) > 0:
+
+        def pending() -> list[str] | None:
+            if self.listening and self._newest_change < generation:
+                return None  # not heard yet: announcements before it may be on their way
+            return self.behind(generation)
+
+        while (missing := pending()) != [] and (remaining := deadline - loop.time()) > 0:
+            if missing:
+                remaining = min(remaining, max(self._forgotten_in(missing), 0.001))
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.add(waiter)
             try:
@@ -113,6 +143,8 @@ class Replicas:
                 pass
             finally:
                 self._waiters.discard(waiter)
+        if missing is None:  # the notification never came: every live replica is in doubt
+            missing = sorted(self.live())
         replicas = 1 + len(self.live())
         return Propagation(
             replicas=replicas,

@@ -7,6 +7,10 @@ started after it arrived, then looks again: a key created through another worker
 is found, never answered 404. Checks after misses start at most every ``miss_interval`` and
 concurrent misses share one, so a stream of unknown names costs the store a few small reads a
 second, not one per request.
+
+With a store shared by replicas, a worker serves from memory only while it holds its lease
+(service/keys/lease.py): every announcement that reaches the store extends it; one after it
+ran out is followed by a store check before the lease is held again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from service.errors import KeystoreUnavailable
 from service.keys.keyring import Keyring
+from service.keys.lease import Lease
 from service.keys.manager import KeyManager
 from service.keys.propagation import HEARTBEAT, Replicas
 from service.keys.store import Announced, Notice
@@ -26,6 +31,9 @@ from service.keys.store import Announced, Notice
 log = logging.getLogger("cryptd.keyring")
 
 MISS_INTERVAL = 0.05  # seconds between store checks triggered by unknown keys or versions
+# While the lease is out, requests start at most one attempt to regain it this often (the
+# others answer 503 at once): a store that is down is not asked once per request.
+REGAIN_INTERVAL = 0.25
 
 
 class KeyringWatcher:
@@ -54,19 +62,30 @@ class KeyringWatcher:
         self._completed_started = float("-inf")  # start of the newest finished check
         self._tasks: list[asyncio.Task[None]] = []
         self._following: set[asyncio.Task[None]] = set()  # changes being loaded, announced
+        # Held for good unless start() finds a channel (other replicas to keep in step with).
+        self.lease = Lease()
+        self._regaining: asyncio.Future[bool] | None = None
+        self._next_regain = float("-inf")
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._backstop()))
         if (stream := self._manager.store.notifications()) is not None:
+            self.lease.require()
+            self.replicas.listening = True
+            # Changes up to the one loaded at start were notified before this worker listened.
+            self.replicas.changed(self._manager.keyring.generation)
             self._tasks.append(asyncio.create_task(self._listen(stream)))
             self._tasks.append(asyncio.create_task(self._announce_every()))
 
     async def current(self) -> Keyring:
         """The snapshot to serve: the one in memory, unless the board says a newer generation
-        is in force on this host; then once the store has been read (503
-        ``keystore_unavailable`` if that did not bring it)."""
+        is in force on this host, or the lease ran out; then once the store has been read
+        (503 ``keystore_unavailable`` if that did not bring it)."""
         keyring = self._manager.keyring
         enforced = int(self._board[0])  # what this request must see; later changes need not
+        if not self.lease.held:
+            await self._regain()
+            keyring = self._manager.keyring
         if enforced <= keyring.generation:
             return keyring
         # Any check that brings a verified snapshot as new as the board will do, the one in
@@ -77,7 +96,49 @@ class KeyringWatcher:
         await self._check(self.now(), rate_limited=True, enough=self._loaded(enforced))
         return self._manager.caught_up(enforced)
 
+    def lease_lapsed(self) -> str | None:
+        """Why keys are not served now (the lease ran out), or None."""
+        if self.lease.held:
+            return None
+        why = self._manager.store_error
+        return (
+            "the key store has not been reached in time: keys are not served until it is, "
+            "since a change made meanwhile on another replica may not be in force here"
+            + (f" ({why})" if why else "")
+        )
+
+    async def regain(self) -> str | None:
+        """Try to regain a lease that ran out (readiness asks); why keys are not served, or
+        None when they are."""
+        if self.lease.held:
+            return None
+        with contextlib.suppress(KeystoreUnavailable):
+            await self._regain()
+        return self.lease_lapsed()
+
+    async def _regain(self) -> None:
+        """Announce this host and read the store (one attempt shared by the requests that
+        arrive meanwhile, at most one per :data:`REGAIN_INTERVAL`); 503 while the lease is
+        still out."""
+        attempt = self._regaining
+        if attempt is None and self.now() >= self._next_regain:
+            self._next_regain = self.now() + REGAIN_INTERVAL
+            attempt = self._regaining = asyncio.ensure_future(self.announce())
+
+            def over(_: asyncio.Future[bool]) -> None:
+                self._regaining = None
+
+            attempt.add_done_callback(over)
+        if attempt is not None:
+            await asyncio.shield(attempt)
+        if not self.lease.held:
+            raise KeystoreUnavailable(
+                f"{self.lease_lapsed()}; nothing was served. Retry in a moment, or on another "
+                "replica"
+            )
+
     async def close(self) -> None:
+        self.lease.close()
         tasks = [*self._tasks, *self._following]
         for task in tasks:
             task.cancel()
@@ -121,15 +182,30 @@ class KeyringWatcher:
         """Whether the snapshot in memory has reached ``generation`` (asked after each check)."""
         return lambda: self._manager.keyring.generation >= generation
 
-    async def announce(self) -> None:
-        """Tell the other replicas which generation this host enforces (never raises)."""
+    async def announce(self) -> bool:
+        """Tell the other replicas which generation this host enforces, and extend the lease
+        (never raises; False when the announcement did not reach the store)."""
         board = self._manager.board
+        started = self.now()
         try:
             await self._run_blocking(
                 lambda: self._manager.store.announce(board.replica, board.generation)
             )
         except Exception as exc:  # the heartbeat says it again shortly
             log.warning("keyring announcement failed", extra={"error_type": type(exc).__name__})
+            return False
+        if self.lease.holds_at(started):
+            # Held all along: every change committed since was waited for by its committer
+            # until this host enforced it (or forgot the host, after the lease ran out).
+            self.lease.extend(started)
+        else:
+            # Back after the lease ran out (or just started): changes committed meanwhile did
+            # not wait for this host. The others hear it from now on (the announcement
+            # committed); a check started now brings what they committed before.
+            await self._check(self.now(), rate_limited=False)
+            if self._manager.store_error is None:
+                self.lease.extend(started)
+        return True
 
     async def _check(
         self, since: float, *, rate_limited: bool, enough: Callable[[], bool] | None = None
@@ -193,6 +269,8 @@ class KeyringWatcher:
                 if isinstance(notice, Announced):
                     self.replicas.heard(notice.replica, notice.generation)
                     continue
+                if notice.generation is not None:
+                    self.replicas.changed(notice.generation)
                 self._manager.heard(notice)  # which keys to read, before the check reads
                 task = asyncio.create_task(self._follow(notice.generation))
                 self._following.add(task)
