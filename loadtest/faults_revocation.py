@@ -42,6 +42,7 @@ from service.auth.signature import sign_request
 
 PLAINTEXT = base64.b64encode(b"revocation probe").decode()
 PROBE_TIMEOUT = 10.0
+CHANGE_TIMEOUT = 10.0  # a key change's answer (the server waits at most 7 s for replicas)
 REFUSED = (409, "key_disabled")  # the refusal a disabled key gets; anything else is retried
 
 
@@ -52,10 +53,18 @@ class Lane:
     client_id: str
     secret: bytes
 
-    def send(self, method: str, path: str, body: Any = None) -> httpx.Response:
+    def send(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> httpx.Response:
         content = b"" if body is None else orjson.dumps(body)
         headers = sign_request(method, path, "", content, self.client_id, self.secret)
-        return self.conn.request(method, path, content=content, headers=headers)
+        return self.conn.request(
+            method,
+            path,
+            content=content,
+            headers=headers,
+            timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+        )
 
     def encrypt(self, key: str) -> int:
         return self.send("POST", f"/v1/encrypt/{key}", {"plaintext": PLAINTEXT}).status_code
@@ -204,7 +213,11 @@ class Revocation:
         for thread in threads:
             thread.start()
         try:
-            answer = acting.send("PATCH", f"/v1/keys/{key}", {"state": "disabled"})
+            # The answer waits for a replica that went silent until it is forgotten (its lease
+            # ran out): up to the server's propagation timeout, 7 s.
+            answer = acting.send(
+                "PATCH", f"/v1/keys/{key}", {"state": "disabled"}, timeout=CHANGE_TIMEOUT
+            )
         finally:
             answered[0] = time.monotonic()
             go.set()
