@@ -194,9 +194,10 @@ class KeyringWatcher:
         except Exception as exc:  # the heartbeat says it again shortly
             log.warning("keyring announcement failed", extra={"error_type": type(exc).__name__})
             return False
-        if self.lease.holds_at(started):
-            # Held all along: every change committed since was waited for by its committer
-            # until this host enforced it (or forgot the host, after the lease ran out).
+        if self.lease.holds_at(self.now()):
+            # Held all along, until the announcement had committed: every change committed
+            # meanwhile was waited for by its committer until this host enforced it (a
+            # committer forgets the host only after its lease would have run out).
             self.lease.extend(started)
         else:
             # Back after the lease ran out (or just started): changes committed meanwhile did
