@@ -8,7 +8,9 @@ Needs root and iptables (under CI both are there: a skip there is a failure)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import subprocess
 import threading
 import time
@@ -16,8 +18,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from service.errors import KeystoreUnavailable
+from service.keys.admin import initialise
+from service.keys.manager import KeyManager
+from service.keys.masterkey import MasterKey
 from service.keys.pgstore import PostgresKeyStore
 from service.keys.store import StoreUnavailable
+from service.keys.watch import REGAIN_WAIT, KeyringWatcher
 from service.pgconn import DEFAULTS
 from tests.tcp_relay import Relay
 from tests.test_keystore_support import needs_root, needs_tool
@@ -105,3 +112,44 @@ def test_a_statement_waiting_for_its_answer_when_the_link_dies_fails_within_seco
     assert idle <= float(outcome["at"]) - cut <= 15  # type: ignore[arg-type]
     assert store.stamp() is None  # a new connection once the link is back
     store.close()
+
+
+async def test_a_worker_whose_lease_ran_out_on_a_dead_link_answers_within_a_moment(
+    pg_database: str, relay: Relay
+) -> None:
+    """Over a dead link the attempt to regain the lease hangs for the connection's timeouts;
+    requests do not wait for it longer than REGAIN_WAIT: 503 keystore_unavailable."""
+    master = MasterKey(os.urandom(32))
+    url = pg_database.replace("127.0.0.1:5432", f"127.0.0.1:{relay.port}")
+    store = PostgresKeyStore(url)
+    initialise(store, master)
+    manager = KeyManager(store, master)
+    manager.load()
+    watcher = KeyringWatcher(manager, interval=3600, heartbeat=0.2, lease=1.0)
+    watcher.start()
+    try:
+        await watcher.current()  # regains the lease (announce, then read the store)
+        assert serving(watcher)
+        with _link_cut(relay.port):
+            await asyncio.sleep(1.5)  # the heartbeats hang: the lease runs out
+            assert not serving(watcher)
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(KeystoreUnavailable, match="has not been reached in time"):
+                    await watcher.current()
+                assert time.monotonic() - started < REGAIN_WAIT + 0.5
+        # The link is back: the next attempts get through (reconnecting) and keys serve again.
+        deadline = time.monotonic() + 30
+        while not serving(watcher):
+            assert time.monotonic() < deadline, "the lease never came back"
+            with contextlib.suppress(KeystoreUnavailable):
+                await watcher.current()
+            await asyncio.sleep(0.1)
+        assert (await watcher.current()).generation == manager.keyring.generation
+    finally:
+        await watcher.close()
+        store.close()
+
+
+def serving(watcher: KeyringWatcher) -> bool:
+    return watcher.lease.held  # read anew each time (a timer turns it off)

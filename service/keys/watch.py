@@ -23,7 +23,7 @@ from typing import Any
 
 from service.errors import KeystoreUnavailable
 from service.keys.keyring import Keyring
-from service.keys.lease import Lease
+from service.keys.lease import LEASE, Lease
 from service.keys.manager import KeyManager
 from service.keys.propagation import HEARTBEAT, Replicas
 from service.keys.store import Announced, Notice
@@ -34,6 +34,7 @@ MISS_INTERVAL = 0.05  # seconds between store checks triggered by unknown keys o
 # While the lease is out, requests start at most one attempt to regain it this often (the
 # others answer 503 at once): a store that is down is not asked once per request.
 REGAIN_INTERVAL = 0.25
+REGAIN_WAIT = 1.0  # seconds a request waits for such an attempt before it is answered 503
 
 
 class KeyringWatcher:
@@ -46,10 +47,11 @@ class KeyringWatcher:
         run_blocking: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
         replicas: Replicas | None = None,
         heartbeat: float = HEARTBEAT,
+        lease: float = LEASE,
     ) -> None:
         """``replicas`` hears the other replicas' announcements (a store with a channel); this
         worker announces its host's generation after every change it hears of and every
-        ``heartbeat`` seconds."""
+        ``heartbeat`` seconds; ``lease``: how long after one of its announcements it serves."""
         self._manager = manager
         self._board = manager.board.cell
         self.replicas = replicas if replicas is not None else Replicas(manager.board)
@@ -63,7 +65,7 @@ class KeyringWatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._following: set[asyncio.Task[None]] = set()  # changes being loaded, announced
         # Held for good unless start() finds a channel (other replicas to keep in step with).
-        self.lease = Lease()
+        self.lease = Lease(lease)
         self._regaining: asyncio.Future[bool] | None = None
         self._next_regain = float("-inf")
 
@@ -118,8 +120,8 @@ class KeyringWatcher:
 
     async def _regain(self) -> None:
         """Announce this host and read the store (one attempt shared by the requests that
-        arrive meanwhile, at most one per :data:`REGAIN_INTERVAL`); 503 while the lease is
-        still out."""
+        arrive meanwhile, at most one per :data:`REGAIN_INTERVAL`, waited for at most
+        :data:`REGAIN_WAIT`); 503 while the lease is still out."""
         attempt = self._regaining
         if attempt is None and self.now() >= self._next_regain:
             self._next_regain = self.now() + REGAIN_INTERVAL
@@ -130,7 +132,10 @@ class KeyringWatcher:
 
             attempt.add_done_callback(over)
         if attempt is not None:
-            await asyncio.shield(attempt)
+            # Not for longer than a moment: over a dead link the attempt lasts until the
+            # connection's timeouts (seconds); the request is answered 503 meanwhile.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(attempt), REGAIN_WAIT)
         if not self.lease.held:
             raise KeystoreUnavailable(
                 f"{self.lease_lapsed()}; nothing was served. Retry in a moment, or on another "
