@@ -169,15 +169,17 @@ def render(
         "every host refuses the key with `409 key_disabled` (probes pinned to each worker, "
         "released by the answer). *Probe bound*: until the last worker's refusal came back (its "
         "round trip, and this process's CPU, in it). *After the answer*: until the last "
-        "worker's refused probe was sent (0 when every worker refused the first probe: the "
-        "change was in force when the answer left). *Confirmation*: the answer's own "
+        "worker's refused probe was sent, a worker that refused its first probe counting 0 "
+        "(the change was in force when the answer left: that probe's send time is this "
+        "process's wake-up); how many did is the next column. *Confirmation*: the answer's own "
         "`X-Cryptd-Propagation` wait, commit to every live replica enforcing the change.",
         "",
         "| phase | rounds | probe bound P50 / P99 / max ms | after the answer P99 ms "
-        "| probe round trip P99 ms | confirmation P50 / P99 ms | rounds not confirmed by every "
+        "| workers refusing their first probe | probe round trip P99 ms "
+        "| confirmation P50 / P99 ms | rounds not confirmed by every "
         "replica | encryptions served after the answer | other refusals retried "
         "| workers absent |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = ["all", *dict.fromkeys(r.phase for r in rounds)]
     for name in names:
@@ -189,7 +191,8 @@ def render(
         lines.append(
             f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} / "
             f"{_ms(percentile(times, 0.99))} / {_ms(max(times, default=float('nan')))} | "
-            f"{_ms(percentile(after, 0.99))} | {_ms(percentile(rtts, 0.99))} | "
+            f"{_ms(percentile(after, 0.99))} | {sum(r.first_refused for r in chosen)} of "
+            f"{sum(r.lanes for r in chosen)} | {_ms(percentile(rtts, 0.99))} | "
             f"{_ms(percentile(waits, 0.5))} / {_ms(percentile(waits, 0.99))} | "
             f"{sum(1 for r in chosen if r.confirmed < r.replicas or not r.replicas)} | "
             f"{sum(r.served_after for r in chosen)} | {sum(r.other_refusals for r in chosen)} | "

@@ -99,12 +99,13 @@ class Round:
     served_after: int
     lanes: int
     absent: int  # workers that could not be reached this round
-    propagation: float = float("nan")  # answer -> last worker's first refused probe sent
+    propagation: float = float("nan")  # answer -> last worker's refused probe sent (0: first)
     probe_rtt: float = float("nan")  # the slowest lane's refused probe, sent -> answered
     replicas: int = 0  # the PATCH answer's X-Cryptd-Propagation
     confirmed: int = 0
     waited: float = float("nan")  # the answer's wait for the other replicas (commit on)
     other_refusals: int = 0  # probes refused for something else than the key (503, 429)
+    first_refused: int = 0  # workers that refused the first probe sent after the answer
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Revocation:
                 while lane.encrypt(key) != 200 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 live.append(lane)
-        refused: dict[str, tuple[float, float]] = {}  # lane -> (sent, answered)
+        refused: dict[str, tuple[float, float, bool]] = {}  # lane -> (sent, answered, first)
         served = [0]
         others = [0]
         go = threading.Event()
@@ -195,6 +196,7 @@ class Revocation:
             if not go.wait(PROBE_TIMEOUT):
                 return
             deadline = answered[0] + PROBE_TIMEOUT
+            first = True
             with contextlib.suppress(httpx.HTTPError):
                 while time.monotonic() < deadline:
                     sent = time.monotonic()
@@ -202,11 +204,12 @@ class Revocation:
                     if status == 200:
                         served[0] += 1
                     elif (status, code) == REFUSED:
-                        refused[lane.name] = (sent, time.monotonic())
+                        refused[lane.name] = (sent, time.monotonic(), first)
                         return
                     else:
                         others[0] += 1
                         time.sleep(0.02)
+                    first = False
 
         # Started before the PATCH, released by its answer: no thread start in the figures.
         threads = [threading.Thread(target=probe, args=(lane,)) for lane in live]
@@ -227,15 +230,21 @@ class Revocation:
             raise RuntimeError(f"disable answered {answer.status_code}")
         header = parse_propagation(answer.headers.get("x-cryptd-propagation"))
         missing = len(live) - len(refused)
-        last = max(refused.values(), default=(answered[0], answered[0]), key=lambda t: t[1])
+        last = max(refused.values(), default=(answered[0], answered[0], True), key=lambda t: t[1])
         return Round(
             phase,
             last[1] - answered[0],
             served[0],
             len(refused),
             absent + missing,
-            propagation=max((s for s, _ in refused.values()), default=answered[0]) - answered[0],
-            probe_rtt=max((a - s for s, a in refused.values()), default=float("nan")),
+            # A worker that refused its first probe had the change in force when the answer
+            # left (that probe's send time is this process's wake-up, not the server's).
+            propagation=max(
+                (0.0 if first else s - answered[0] for s, _, first in refused.values()),
+                default=0.0,
+            ),
+            first_refused=sum(1 for _, _, first in refused.values() if first),
+            probe_rtt=max((a - s for s, a, _ in refused.values()), default=float("nan")),
             replicas=int(header.get("replicas", 0)),
             confirmed=int(header.get("confirmed", 0)),
             waited=header.get("waited", float("nan")),

@@ -121,7 +121,7 @@ def test_the_report_states_every_goal() -> None:
             Outcome(1.5, "sign", 503, True, "overloaded: replay store unavailable"),
         ],
         rounds=[
-            Round("kill-host", 0.012, 0, 6, 0, 0.001, 0.011, 3, 3, 0.040),
+            Round("kill-host", 0.012, 0, 6, 0, 0.001, 0.011, 3, 3, 0.040, first_refused=5),
             Round("steady", 0.008, 0, 6, 0, 0.002, 0.006, 3, 2, 0.020, other_refusals=1),
         ],
         revocation_errors=[],
@@ -132,7 +132,7 @@ def test_the_report_states_every_goal() -> None:
     assert "| kill-host | app2 | 2 | 1 | 503x1 | 0.50 | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
     assert "- kill-host: refusals at +0.50 s; 503 overloaded: replay store unavailable x1" in text
     assert "**1 replays in all got past" in text
-    assert "| all | 2 | 8 / 12 / 12 | 2 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text
+    assert "| all | 2 | 8 / 12 / 12 | 2 | 5 of 12 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text
     assert "no longer decrypting: **0**" in text
 
 
