@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from service.audit import chain, redact
-from service.audit import writer as writer_module
 from service.audit.verify import verify
 from service.audit.writer import AuditWriter
 from service.logs.audit import Audit, RequestRecord
@@ -112,9 +111,7 @@ def syncs_of(audit: Audit) -> int:
     return audit.trail.syncs
 
 
-async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
-    tmp_path: Path
-) -> None:
+async def test_a_record_waits_for_the_running_requests_to_share_its_sync(tmp_path: Path) -> None:
     """Group commit across requests that end at different moments: the first record waits for
     the requests still running (up to the group delay) and all three share one sync."""
     audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
@@ -153,9 +150,7 @@ def test_the_writer_thread_does_not_preempt_the_event_loop(tmp_path: Path) -> No
         audit.close()
 
 
-async def test_a_request_that_leaves_without_a_record_holds_nobody_up(
-    tmp_path: Path
-) -> None:
+async def test_a_request_that_leaves_without_a_record_holds_nobody_up(tmp_path: Path) -> None:
     audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
     before = syncs_of(audit)
     try:

@@ -60,6 +60,7 @@ class SyncProcess:
         self.socket = mine
         self.started = time.monotonic()
         self.file: tuple[int, int] | None = None  # (device, inode) of the descriptor it holds
+        self.answered = 0
 
     @property
     def pid(self) -> int:
@@ -90,6 +91,7 @@ class SyncProcess:
             if len(data) != _REPLY.size:
                 return None  # end of file: the process died
             found.append(_REPLY.unpack(data))
+            self.answered += 1
 
     def close(self, timeout: float = 1.0) -> None:
         self.socket.close()  # the process reads the end of file and exits

@@ -304,7 +304,7 @@ class AuditWriter:
             with contextlib.suppress(RuntimeError, ValueError):
                 loop.remove_reader(syncer.fileno())
         syncer.close(0.1)
-        if time.monotonic() - syncer.started < RETRY_INTERVAL:  # dying at once: not in a loop
+        if not syncer.answered:  # it cannot even start: not one new process per group
             self._inline_until = time.monotonic() + RETRY_INTERVAL
 
     def _on_reply(self) -> None:
