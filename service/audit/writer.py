@@ -170,6 +170,7 @@ class AuditWriter:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that watches the syncs
         self._syncer: barrier.SyncProcess | None = None
         self._in_flight = False  # a sync was asked of the process and not yet answered
+        self._held = False  # a group was complete while a sync ran: written on its answer
         self._inline_until = 0.0  # the process keeps dying: syncs on the loop until then
         self.sync_restarts = 0  # sync processes started again after one died
         self.syncs = 0  # syncs that made groups durable (the process's and inline ones)
@@ -238,7 +239,9 @@ class AuditWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._in_flight:  # else the sync's answer writes them: they share the next one
+        if self._in_flight:  # the sync's answer writes them: they share the next one
+            self._held = True
+        else:
             self._write_and_sync()
 
     def _write_and_sync(self) -> None:
@@ -325,8 +328,13 @@ class AuditWriter:
                     self._in_flight = False
                 for upto, failed in replies:
                     self._synced(upto, failed)
-        if not self._in_flight:
+        if self._in_flight:
+            return
+        if self._held or not self._pending:
+            self._held = False
             self._write_and_sync()
+        elif self._loop is not None:  # a group still waiting for its running requests
+            self._group(self._loop)
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
         """Queue ``record`` from any thread; ``done(ok)`` is called from the writer thread."""
