@@ -384,8 +384,10 @@ class AuditWriter:
                         batch.append(pending.popleft())
                 if self._rotation_due():  # before a final batch: its checkpoint ends the file
                     self._rotate_now()
+                written = self._next_group
                 self._write_batch(batch, final=closing and not self._queued)
-                self._sync_inline()
+                if closing or self._next_group != written:  # the loop's own groups: its syncs
+                    self._sync_inline()
                 if not closing and self._rotation_due():
                     self._rotate_now()
                 if closing and not self._queued:
@@ -439,6 +441,8 @@ class AuditWriter:
         # is written clears the error.
         probe = self.error is not None and not fields
         if not fields and not due and not probe:
+            if not waiters.by_loop and not waiters.callbacks:
+                return
             if self._unsynced:  # a flush marker: answered once the groups before it are
                 state = self._unsynced[-1].state
                 self._unsynced.append(_Group(self._next_group, waiters, [], 0, state))
