@@ -78,20 +78,20 @@ class SyncProcess:
         else:
             self.socket.send(message)
 
-    def replies(self) -> list[tuple[int, int]] | None:
-        """The answers that arrived (``upto``, ``errno``); None once the process is gone."""
-        found: list[tuple[int, int]] = []
-        while True:
-            try:
-                data = self.socket.recv(_REPLY.size)
-            except BlockingIOError:
-                return found
-            except OSError:
-                return None
-            if len(data) != _REPLY.size:
-                return None  # end of file: the process died
-            found.append(_REPLY.unpack(data))
-            self.answered += 1
+    def reply(self) -> tuple[int, int] | None:
+        """The answer that arrived (``upto``, ``errno``; ``(0, 0)`` when none had): one read,
+        as one sync at a time is asked for. None once the process is gone."""
+        try:
+            data = self.socket.recv(_REPLY.size)
+        except BlockingIOError:
+            return 0, 0
+        except OSError:
+            return None
+        if len(data) != _REPLY.size:
+            return None  # end of file: the process died
+        self.answered += 1
+        upto, failed = _REPLY.unpack(data)
+        return upto, failed
 
     def close(self, timeout: float = 1.0) -> None:
         self.socket.close()  # the process reads the end of file and exits

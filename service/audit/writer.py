@@ -317,17 +317,15 @@ class AuditWriter:
             syncer = self._syncer
             if syncer is None:
                 return
-            replies = syncer.replies()
-            if replies is None:
+            reply = syncer.reply()
+            if reply is None:
                 # Its sync may or may not have run: a new process syncs them all again.
                 log.error("audit sync process died", extra={"pid": syncer.pid})
                 self._stop_syncer()
                 self.sync_restarts += 1
-            else:
-                if replies:
-                    self._in_flight = False
-                for upto, failed in replies:
-                    self._synced(upto, failed)
+            elif reply[0]:  # (group ids start at 1; 0: nothing to read after all)
+                self._in_flight = False
+                self._synced(*reply)
         if self._in_flight:
             return
         if self._held or not self._pending:
