@@ -56,8 +56,9 @@ GROUP_DELAY = 0.001  # default: the most a record waits for running requests to 
 GROUP_MAX = 512  # records that start a sync without waiting for the others
 
 Format = Callable[[Any], dict[str, Any] | bytes]
-"""format(record) -> the line's fields (after seq and prev), run on the writer thread: a dict,
-or those fields already serialized as one JSON object."""
+"""format(record) -> the line's fields (after seq and prev), run when its group is written (on
+the event loop, or the writer's thread): a dict, or those fields already serialized as one JSON
+object."""
 
 
 class SecondarySink(Protocol):
