@@ -4,6 +4,7 @@ worker, a request is still answered 2xx only once its record is durable."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,6 +101,17 @@ async def test_without_a_sync_process_the_loop_syncs_itself(
     assert len([r for r in records(path) if r["event"] == "encrypt"]) == 20
 
 
+def open_flags(pid: int, path: Path) -> list[int]:
+    """The flags of each descriptor ``pid`` holds on ``path`` (its open file description's)."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+                found.append(int(info.split("flags:")[1].split()[0], 8))
+    return found
+
+
 def seen_by(pid: int) -> tuple[bytes, set[str]]:
     """The process's environment and the files it holds open (but stdin, stdout, stderr)."""
     environment = Path(f"/proc/{pid}/environ").read_bytes()
@@ -123,6 +135,11 @@ async def test_the_sync_process_holds_no_environment_and_only_the_audit_file(
         assert environment == b""
         assert str(path) in files
         assert files == {str(path)}  # and its socket
+        # Its own open file description (read-only, where the writer's appends): a writeback
+        # error is reported to each description, so neither side's sync can hide it.
+        (theirs,) = open_flags(pid, path)
+        assert theirs & os.O_ACCMODE == os.O_RDONLY
+        assert any(ours & os.O_APPEND for ours in open_flags(os.getpid(), path))
     finally:
         audit.close()
     deadline = time.monotonic() + 5

@@ -59,7 +59,7 @@ class SyncProcess:
         mine.setblocking(False)
         self.socket = mine
         self.started = time.monotonic()
-        self.file: tuple[int, int] | None = None  # (device, inode) of the descriptor it holds
+        self.file = 0  # which of the writer's files the descriptor it holds is (0: none)
         self.answered = 0
 
     @property
@@ -69,8 +69,9 @@ class SyncProcess:
     def fileno(self) -> int:
         return self.socket.fileno()
 
-    def request(self, upto: int, fd: int, file: tuple[int, int]) -> None:
-        """Ask for a sync of ``fd`` covering the groups up to ``upto``."""
+    def request(self, upto: int, fd: int, file: int) -> None:
+        """Ask for a sync of ``fd`` covering the groups up to ``upto``; ``file`` numbers the
+        writer's files (``fd`` is sent along when it changed)."""
         message = _REQUEST.pack(upto)
         if file != self.file:
             socket.send_fds(self.socket, [message], [fd])

@@ -179,6 +179,8 @@ class AuditWriter:
         self._closing = False
         self._fd = -1
         self._ino: tuple[int, int] | None = None
+        self._sync_fd = -1  # the sync process's own open file description of the file
+        self._file = 0  # counts the files opened: tells the sync process when to take a new one
         self._size = 0
         self._head = Head()
         self._since_checkpoint = 0
@@ -274,9 +276,9 @@ class AuditWriter:
         syncer = self._syncer
         if syncer is None and time.monotonic() >= self._inline_until:
             syncer = self._start_syncer()
-        if syncer is not None and self._ino is not None:
+        if syncer is not None and self._sync_fd >= 0:
             try:
-                syncer.request(upto, self._fd, self._ino)
+                syncer.request(upto, self._sync_fd, self._file)
             except OSError:
                 self._stop_syncer()
             else:
@@ -626,6 +628,15 @@ class AuditWriter:
             self._head = head
         self._fd = fd
         self._ino = (found.st_dev, found.st_ino)
+        # The sync process gets a description of its own, opened before any write: a writeback
+        # error is reported once per open file description, so an inline sync on the writer's
+        # descriptor (the thread's, a roll back's) can never take the error that the process's
+        # sync must report, nor the reverse, whichever runs first.
+        self._file += 1
+        try:
+            self._sync_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._sync_fd = -1  # no /proc: every sync inline, on the writer's descriptor
         self._size = os.fstat(fd).st_size
         self._open_line_due = True
         self._durable = _State(self._size, self._head, self._since_checkpoint, True)
@@ -694,6 +705,10 @@ class AuditWriter:
                 os.close(self._fd)
         self._fd = -1
         self._ino = None
+        if self._sync_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._sync_fd)
+            self._sync_fd = -1
 
 
 class _Reopen(OSError):
