@@ -292,7 +292,7 @@ class AuditWriter:
             return None
         try:
             syncer = barrier.SyncProcess()
-        except OSError as exc:
+        except Exception as exc:  # whatever the reason, the loop syncs by itself meanwhile
             log.error("audit sync process not started", extra={"error_type": type(exc).__name__})
             self._inline_until = time.monotonic() + RETRY_INTERVAL
             return None
