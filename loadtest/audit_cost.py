@@ -43,10 +43,17 @@ GOAL = 0.10  # the most the trail may cost of AES-GCM encrypt throughput per cor
 class Round:
     off_ops: float
     audited_ops: float
+    baseline_ops: float | None = None  # with --baseline: the audited server of that tree
 
     @property
     def ratio(self) -> float:
         return self.audited_ops / self.off_ops if self.off_ops else float("nan")
+
+    @property
+    def baseline_ratio(self) -> float:
+        if self.baseline_ops is None or not self.off_ops:
+            return float("nan")
+        return self.baseline_ops / self.off_ops
 
 
 @dataclass
@@ -58,6 +65,13 @@ class Report:
     records: int = 0
     verify_exit: int | None = None
     verify_output: str = ""
+    baseline: str | None = None  # the other tree measured in the same run
+
+    @property
+    def baseline_cost(self) -> float | None:
+        if self.baseline is None:
+            return None
+        return 1 - statistics.median(r.baseline_ratio for r in self.rounds)
 
     @property
     def cost(self) -> float:
@@ -69,6 +83,7 @@ class Report:
             **{k: v for k, v in asdict(self).items() if k != "rounds"},
             "rounds": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in self.rounds],
             "cost": round(self.cost, 4),
+            "baseline_cost": None if self.baseline_cost is None else round(self.baseline_cost, 4),
             "goal": GOAL,
             "met": self.cost <= GOAL and self.verify_exit == 0,
         }
@@ -113,6 +128,7 @@ def measure(
     audit_dir: Path,
     work: Path,
     group_delay_ms: float | None = None,
+    baseline: Path | None = None,
 ) -> Report:
     report = Report(topology.summary(), describe(rsa_sign_us()))
     cpus = topology.server_cpus
@@ -120,7 +136,13 @@ def measure(
     audited = Cryptd(
         work / "audited", env=audit_env(audit_dir, group_delay_ms), cpus=cpus, name="audited"
     )
-    servers = (off, audited)
+    servers: tuple[Cryptd, ...] = (off, audited)
+    if baseline is not None:  # the same audited server, run from another checkout's code
+        report.baseline = str(baseline)
+        base_dir = audit_dir.parent / f"{audit_dir.name}-baseline"
+        base_dir.mkdir()
+        env = {**audit_env(base_dir, group_delay_ms), "PYTHONPATH": str(baseline.resolve())}
+        servers += (Cryptd(work / "baseline", env=env, cpus=cpus, name="baseline"),)
     try:
         for server in servers:
             server.start()
@@ -130,8 +152,13 @@ def measure(
         for figures in found:
             cores = topology.server_cores
             report.audited_requests += figures["audited"].requests
+            base = figures.get("baseline")
             report.rounds.append(
-                Round(per_core(figures["audit-off"], cores), per_core(figures["audited"], cores))
+                Round(
+                    per_core(figures["audit-off"], cores),
+                    per_core(figures["audited"], cores),
+                    None if base is None else per_core(base, cores),
+                )
             )
     finally:
         for server in servers:
@@ -156,6 +183,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--group-delay-ms",
         type=float,
         help="the audited server's CRYPTD_AUDIT_GROUP_DELAY_MS (default: the service's)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of other code (a source tree): its audited server is measured in the"
+        " same rounds, for an A/B of two versions of the trail on one machine state",
     )
     parser.add_argument("--shared-cores", action="store_true", help="no pinning")
     parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
@@ -189,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             audit_dir,
             work,
             args.group_delay_ms,
+            args.baseline,
         )
     summary = report.summary()
     stamp = alternate.stamp()
@@ -202,6 +236,15 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
         f"| {n} | {r.off_ops:,.0f} | {r.audited_ops:,.0f} | {r.ratio:.3f} |"
         for n, r in enumerate(report.rounds, 1)
     )
+    baseline = ""
+    if report.baseline is not None and report.baseline_cost is not None:
+        baseline = (
+            f"\n\nBaseline (`--baseline {report.baseline}`, the same audited server from that"
+            f" tree, in the same rounds): **cost {report.baseline_cost:.1%}**; per round"
+            f" req/s per core: "
+            + ", ".join(f"{r.baseline_ops:,.0f} ({r.baseline_ratio:.3f})" for r in report.rounds)
+            + "."
+        )
     return (
         f"# Audit trail cost ({stamp})\n\n"
         f"- {report.topology}; {report.phase}\n"
@@ -214,7 +257,7 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
         f"| round | audit off req/s per core | audited | ratio |\n|---|---|---|---|\n{rows}\n\n"
         f"**Cost: {report.cost:.1%}** of throughput per core (goal <= {GOAL:.0%}); "
         f"{report.records} encrypt records for {report.audited_requests} requests answered; "
-        f"`cryptd audit verify` exit {report.verify_exit}."
+        f"`cryptd audit verify` exit {report.verify_exit}." + baseline
     )
 
 

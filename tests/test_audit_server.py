@@ -4,6 +4,7 @@ answers, /readyz, recovery without a restart, and a SIGKILL under load losing no
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import signal
@@ -382,3 +383,64 @@ def test_no_request_leaves_the_group_commit_waiting(tmp_path: Path) -> None:
         assert sorted(took)[5] < 0.5, took
     finally:
         stop_server(server)
+
+
+def sync_processes(pid: int) -> list[int]:
+    """The audit sync processes below ``pid`` (service/audit/barrier.py)."""
+    found = []
+    for child in descendants(pid):
+        with contextlib.suppress(FileNotFoundError):
+            if b"barrier.py" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+def test_a_killed_sync_process_loses_no_answered_record(tmp_path: Path) -> None:
+    """The worker's sync process SIGKILLed under load: a new one takes over; every 2xx
+    answered has its record, and the service keeps answering."""
+    logs = tmp_path / "audit"
+    logs.mkdir()
+    server = start_server(
+        tmp_path, {"CRYPTD_AUDIT_LOG": str(logs / "audit.log"), "CRYPTD_AUDIT_FAIL_CLOSED": "true"}
+    )
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                response = call(server, "POST", "/v1/encrypt/aes256-gcm", {"plaintext": b64("x")})
+            except httpx.HTTPError:
+                continue
+            if 200 <= response.status_code < 300:
+                answered.append(response.headers["x-request-id"])
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        killed: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(killed) < 3:
+            assert time.monotonic() < deadline, f"sync processes seen: {killed}"
+            for pid in sync_processes(server.process.pid):
+                if pid not in killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+            time.sleep(0.2)
+        count = len(answered)
+        deadline = time.monotonic() + 20
+        while len(answered) < count + 20:  # answers go on after the last kill
+            assert time.monotonic() < deadline, "no answer after the sync process was killed"
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        stop_server(server)
+    records = audit_records(logs)
+    counts = Counter(r.get("request_id") for r in records)
+    missing = [i for i in answered if counts[i] != 1]
+    assert not missing, f"{len(missing)} of {len(answered)} answered requests not recorded once"
+    result = cli_verify(server, audit_files(logs))
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from service.audit import chain, redact
-from service.audit import writer as writer_module
 from service.audit.verify import verify
 from service.audit.writer import AuditWriter
 from service.logs.audit import Audit, RequestRecord
@@ -92,76 +91,31 @@ async def test_records_are_durable_chained_and_checkpointed(trail: tuple[Path, A
     assert verify([str(path)], KEYS).ok
 
 
-async def test_many_waiting_records_share_one_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_many_waiting_records_share_one_sync(tmp_path: Path) -> None:
     """Group commit: 500 concurrent records take far fewer syncs than records."""
     path = tmp_path / "audit.log"
     audit = open_audit(path, checkpoint_every=10_000)
-    syncs = 0
-    real = writer_module._write_durably
-
-    def counting(fd: int, data: bytes) -> None:
-        nonlocal syncs
-        syncs += 1
-        real(fd, data)
-
-    monkeypatch.setattr(writer_module, "_write_durably", counting)  # counted; still synced
+    assert audit.trail is not None
+    before = audit.trail.syncs
     try:
         assert all(await commit_all(audit, 0, 500))
+        syncs = audit.trail.syncs - before
     finally:
         audit.close()
     assert len([r for r in records(path) if r["event"] == "encrypt"]) == 500
     assert 1 <= syncs < 100, syncs
 
 
-@pytest.mark.parametrize("dsync", [True, False], ids=["pwritev2-dsync", "write-fdatasync"])
-def test_a_durable_write_appends_whole_with_or_without_rwf_dsync(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dsync: bool
-) -> None:
-    """RWF_DSYNC where the kernel has it, else write + fdatasync: the same bytes appended."""
-    if dsync and not writer_module._DSYNC:
-        pytest.skip("no pwritev2 RWF_DSYNC here")
-    if not dsync:
-        monkeypatch.setattr(writer_module, "_DSYNC", 0)
-    synced: list[int] = []
-    real = os.fdatasync
-
-    def counting(fd: int) -> None:
-        synced.append(fd)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", counting)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        writer_module._write_durably(fd, b"one\n")
-        writer_module._write_durably(fd, b"two\n" * 1000)
-    finally:
-        os.close(fd)
-    assert (tmp_path / "f").read_bytes() == b"one\n" + b"two\n" * 1000
-    assert len(synced) == (0 if dsync else 2)
+def syncs_of(audit: Audit) -> int:
+    assert audit.trail is not None
+    return audit.trail.syncs
 
 
-def counted_syncs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """When each durable write (write and sync) returned (monotonic)."""
-    done: list[float] = []
-    real = writer_module._write_durably
-
-    def counting(fd: int, data: bytes) -> None:
-        real(fd, data)
-        done.append(time.monotonic())
-
-    monkeypatch.setattr(writer_module, "_write_durably", counting)
-    return done
-
-
-async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_record_waits_for_the_running_requests_to_share_its_sync(tmp_path: Path) -> None:
     """Group commit across requests that end at different moments: the first record waits for
     the requests still running (up to the group delay) and all three share one sync."""
     audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
-    syncs = counted_syncs(monkeypatch)
+    before = syncs_of(audit)
     try:
         for _ in range(3):
             audit.begin()
@@ -175,7 +129,7 @@ async def test_a_record_waits_for_the_running_requests_to_share_its_sync(
         assert await audit.commit(record(3), begun=True)
         assert await first
         assert await second
-        assert len(syncs) == 1, syncs
+        assert syncs_of(audit) - before == 1
     finally:
         audit.close()
     found = [r["request_id"] for r in records(tmp_path / "audit.log") if r["event"] == "encrypt"]
@@ -196,11 +150,9 @@ def test_the_writer_thread_does_not_preempt_the_event_loop(tmp_path: Path) -> No
         audit.close()
 
 
-async def test_a_request_that_leaves_without_a_record_holds_nobody_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_request_that_leaves_without_a_record_holds_nobody_up(tmp_path: Path) -> None:
     audit = open_audit(tmp_path / "audit.log", checkpoint_every=10_000, group_delay=5.0)
-    syncs = counted_syncs(monkeypatch)
+    before = syncs_of(audit)
     try:
         audit.begin()
         audit.begin()
@@ -211,7 +163,7 @@ async def test_a_request_that_leaves_without_a_record_holds_nobody_up(
         audit.end()  # its client went away before an answer was possible
         assert await asyncio.wait_for(waiting, 2)
         assert time.monotonic() - started < 1
-        assert len(syncs) == 1
+        assert syncs_of(audit) - before == 1
     finally:
         audit.close()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest.audit_cost import GOAL, Report, Round, parse_args
+from loadtest.audit_cost import GOAL, Report, Round, markdown, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +25,18 @@ def test_the_cost_is_one_minus_the_median_ratio() -> None:
     assert report.summary()["met"] is (report.cost <= GOAL)
     report.verify_exit = 1  # a trail that does not verify fails the goal whatever the speed
     assert report.summary()["met"] is False
+
+
+def test_a_baseline_tree_gets_its_own_cost_from_the_same_rounds() -> None:
+    report = Report("pinned", "fast", baseline="/elsewhere")
+    report.rounds = [Round(1000, 950, 500), Round(1000, 800, 700), Round(1000, 900, 600)]
+    assert report.baseline_cost == pytest.approx(0.40)
+    assert report.summary()["baseline_cost"] == pytest.approx(0.40)
+    alone = Report("pinned", "fast", rounds=[Round(1000, 950)])
+    assert alone.summary()["baseline_cost"] is None
+    text = markdown(report, parse_args(["--baseline", "/elsewhere"]), "now")
+    assert "**cost 40.0%**" in text
+    assert "500 (0.500), 700 (0.700), 600 (0.600)" in text
 
 
 def test_options_are_checked() -> None:

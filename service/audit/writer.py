@@ -1,13 +1,19 @@
 """The audit file: records made durable in groups before their requests are answered.
 
-One job, kept in one module (over 400 lines): the writer thread, the file it owns and the
+One job, kept in one module (over 400 lines): the group commit, the file it writes and the
 recovery of that file (torn tail, rotation, reopening) share state no other module may touch.
 
-One thread per process owns the file. A request hands over its record and waits (without
-blocking the event loop) until the thread's durable write that covers it returned (one
-``pwritev2`` with ``RWF_DSYNC``, or a write and an ``fdatasync`` where the kernel lacks it):
-every record waiting when a write starts shares that write and that sync (group
-commit), so throughput holds while each answer still follows its record to the disk.
+A request hands over its record and waits (without blocking the event loop) until a sync that
+covers it returned. The event loop itself writes each group of records (one ``write`` to the
+page cache, at the end of the loop pass) and asks a small process of its own
+(:mod:`service.audit.barrier`) for the ``fdatasync``; while that sync runs, the groups that
+follow are written and share the next one (group commit), so throughput holds while each answer
+still follows its record to the disk. A process, not a thread: the loop never hands the GIL over
+to learn that a sync finished, it sees the answer on a socket with the other connections. When
+that process dies it is started again and syncs everything not yet durable; when it cannot be
+started the loop syncs by itself. A thread of the writer handles what does not come from the
+loop: records of other threads, checkpoints due on time, probes of a failing file, rotation
+(each synced on that thread); the file and the chain are shared under a lock.
 
 Failure is never silent: a write or sync that fails rolls the file back to the last durable
 line (so the chain stays whole), tells every waiting request (the API then answers 503
@@ -36,11 +42,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
-from service.audit import chain, checkpoint
+from service.audit import barrier, chain, checkpoint
 from service.audit.chain import Head
 
 log = logging.getLogger("cryptd.audit")
@@ -50,8 +56,9 @@ GROUP_DELAY = 0.001  # default: the most a record waits for running requests to 
 GROUP_MAX = 512  # records that start a sync without waiting for the others
 
 Format = Callable[[Any], dict[str, Any] | bytes]
-"""format(record) -> the line's fields (after seq and prev), run on the writer thread: a dict,
-or those fields already serialized as one JSON object."""
+"""format(record) -> the line's fields (after seq and prev), run when its group is written (on
+the event loop, or the writer's thread): a dict, or those fields already serialized as one JSON
+object."""
 
 
 class SecondarySink(Protocol):
@@ -68,7 +75,9 @@ def stream_path(base: str, index: int) -> str:
 
 
 class _Waiters:
-    """The requests of one batch, settled with one call per event loop."""
+    """The requests of one group, settled with one call per event loop."""
+
+    __slots__ = ("by_loop", "callbacks")
 
     def __init__(self) -> None:
         self.by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[bool]]] = {}
@@ -76,6 +85,13 @@ class _Waiters:
 
     def settle(self, ok: bool) -> None:
         for loop, futures in self.by_loop.items():
+            try:
+                here = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                here = False
+            if here:  # the loop's own reply handler: no wake-up through its self-pipe
+                _resolve(futures, ok)
+                continue
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_resolve, futures, ok)
         for callback in self.callbacks:
@@ -89,6 +105,25 @@ def _resolve(futures: list[asyncio.Future[bool]], ok: bool) -> None:
 
 
 _Pending = tuple[Any, "asyncio.Future[bool] | Callable[[bool], None] | None"]
+
+
+class _State(NamedTuple):
+    """What the file holds after a group: to roll back to when a later sync fails."""
+
+    size: int
+    head: Head
+    since_checkpoint: int
+    open_line_due: bool
+
+
+class _Group(NamedTuple):
+    """Records written to the page cache, answered once a sync that covers them returns."""
+
+    id: int
+    waiters: _Waiters
+    lines: list[bytes]
+    records: int
+    state: _State
 
 
 class AuditWriter:
@@ -107,7 +142,7 @@ class AuditWriter:
         group_delay: float = GROUP_DELAY,
     ) -> None:
         """``group_delay``: seconds a record may wait for the requests still running on its
-        event loop before the writer syncs (0: at the end of the loop pass)."""
+        event loop before the group is written (0: at the end of the loop pass)."""
         self.base = base
         self.stream = f"w{index}"
         self.path = stream_path(base, index)
@@ -118,36 +153,53 @@ class AuditWriter:
         self._max_bytes = max_bytes
         self._on_failure = on_failure
         self._secondary = secondary
-        self._pending: collections.deque[_Pending] = collections.deque()
-        # The writer's wake-up: a lock held while none is pending, released to wake it (any
-        # thread may release a Lock). Half the CPU of an Event's set/wait/clear, which runs a
-        # Condition in Python, once per group on each side.
+        # The file and the chain are touched under this lock: by the event loop (requests'
+        # groups) and by the thread (records of other threads, checkpoints, rotation).
+        self._mutex = threading.Lock()
+        self._pending: collections.deque[_Pending] = collections.deque()  # the loop's
+        self._queued: collections.deque[_Pending] = collections.deque()  # other threads'
+        self._unsynced: collections.deque[_Group] = collections.deque()
+        self._next_group = 1
+        # The thread's wake-up: a lock held while none is pending, released to wake it (any
+        # thread may release a Lock).
         self._wake = threading.Lock()
         self._wake.acquire()
-        self._kick_due = False  # a wake-up is scheduled on the loop
+        self._kick_due = False  # a write is scheduled on the loop
         self._timer: asyncio.TimerHandle | None = None  # the group's deadline
         self._group_delay = group_delay
         self._running = 0  # requests begun on the loop whose records are not yet pending
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that watches the syncs
+        self._syncer: barrier.SyncProcess | None = None
+        self._in_flight = False  # a sync was asked of the process and not yet answered
+        self._held = False  # a group was complete while a sync ran: written on its answer
+        self._inline_until = 0.0  # the process keeps dying: syncs on the loop until then
+        self.sync_restarts = 0  # sync processes started again after one died
+        self.syncs = 0  # syncs that made groups durable (the process's and inline ones)
         self._rotate = False
         self._closing = False
         self._fd = -1
         self._ino: tuple[int, int] | None = None
+        self._sync_fd = -1  # the sync process's own open file description of the file
+        self._file = 0  # counts the files opened: tells the sync process when to take a new one
         self._size = 0
         self._head = Head()
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
         self._open_line_due = False
-        self.error: str | None = None  # why the last batch failed; None once one succeeds
+        self._durable = _State(0, Head(), 0, False)
+        self.error: str | None = None  # why the last write failed; None once one succeeds
         self.failures = 0
         self.signing_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="cryptd-audit", daemon=True)
         # At start: a file that cannot be opened is an error the operator sees now. Its
         # audit.open line is written at once, so no file of the trail is ever left empty.
-        self._open()
-        self._append([], checkpoint_after=False)
+        with self._mutex:
+            self._open()
+            if self._append([], _Waiters(), checkpoint_after=False):
+                self._sync_inline()
         self._thread.start()
 
-    # -- the request side ---------------------------------------------------------------------
+    # -- the request side (the event loop) ----------------------------------------------------
 
     def begin(self) -> None:
         """A request that will commit a record has started on this event loop."""
@@ -164,6 +216,8 @@ class AuditWriter:
         be written. ``begun``: the request was counted by :meth:`begin`. (A future, not a
         coroutine: one object fewer to make and step through per request.)"""
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((record, future))
         if begun:
@@ -172,7 +226,7 @@ class AuditWriter:
         return future
 
     def _group(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Wake the writer once no other request of this loop is about to add its record (or
+        """Write the group once no other request of this loop is about to add its record (or
         the group is full); while some are, wait for them at most ``group_delay``. A sync costs
         the same for one record as for a hundred, so every record that joins saves one (as
         PostgreSQL's ``commit_delay``)."""
@@ -188,11 +242,104 @@ class AuditWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._signal()
+        if self._in_flight:  # the sync's answer writes them: they share the next one
+            self._held = True
+        else:
+            self._write_and_sync()
+
+    def _write_and_sync(self) -> None:
+        """On the loop: write what is pending (one ``write``, to the page cache) and ask the
+        sync process for a barrier over every group not yet durable."""
+        with self._mutex:
+            if self._pending:
+                batch = list(self._pending)
+                self._pending.clear()
+                self._write_batch(batch)
+                if self._max_bytes and self._size >= self._max_bytes:
+                    self._signal()  # the thread rotates the file
+            if self._unsynced and not self._in_flight:
+                self._request_sync()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._mutex:
+            old, self._loop = self._loop, loop
+            syncer = self._syncer
+            if syncer is not None:
+                if old is not None and not old.is_closed():
+                    with contextlib.suppress(RuntimeError, ValueError):
+                        old.remove_reader(syncer.fileno())
+                loop.add_reader(syncer.fileno(), self._on_reply)
+
+    def _request_sync(self) -> None:
+        """(Under the mutex, on the loop.) One sync for all the groups written so far."""
+        upto = self._unsynced[-1].id
+        syncer = self._syncer
+        if syncer is None and time.monotonic() >= self._inline_until:
+            syncer = self._start_syncer()
+        if syncer is not None and self._sync_fd >= 0:
+            try:
+                syncer.request(upto, self._sync_fd, self._file)
+            except OSError:
+                self._stop_syncer()
+            else:
+                self._in_flight = True
+                return
+        self._sync_inline()  # no process: the loop waits for the disk itself, still correct
+
+    def _start_syncer(self) -> barrier.SyncProcess | None:
+        loop = self._loop
+        if loop is None:
+            return None
+        try:
+            syncer = barrier.SyncProcess()
+        except Exception as exc:  # whatever the reason, the loop syncs by itself meanwhile
+            log.error("audit sync process not started", extra={"error_type": type(exc).__name__})
+            self._inline_until = time.monotonic() + RETRY_INTERVAL
+            return None
+        loop.add_reader(syncer.fileno(), self._on_reply)
+        self._syncer = syncer
+        return syncer
+
+    def _stop_syncer(self) -> None:
+        syncer, self._syncer = self._syncer, None
+        self._in_flight = False
+        if syncer is None:
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_reader(syncer.fileno())
+        syncer.close(0.1)
+        if not syncer.answered:  # it cannot even start: not one new process per group
+            self._inline_until = time.monotonic() + RETRY_INTERVAL
+
+    def _on_reply(self) -> None:
+        """The sync process answered (or died): settle the groups its sync covered, then
+        write what came meanwhile and ask for the next sync."""
+        with self._mutex:
+            syncer = self._syncer
+            if syncer is None:
+                return
+            reply = syncer.reply()
+            if reply is None:
+                # Its sync may or may not have run: a new process syncs them all again.
+                log.error("audit sync process died", extra={"pid": syncer.pid})
+                self._stop_syncer()
+                self.sync_restarts += 1
+            elif reply[0]:  # (group ids start at 1; 0: nothing to read after all)
+                self._in_flight = False
+                self._synced(*reply)
+        if self._in_flight:
+            return
+        if self._held or not self._pending:
+            self._held = False
+            self._write_and_sync()
+        elif self._loop is not None:  # a group still waiting for its running requests
+            self._group(self._loop)
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
         """Queue ``record`` from any thread; ``done(ok)`` is called from the writer thread."""
-        self._pending.append((record, done))
+        self._queued.append((record, done))
         self._signal()
 
     def rotate(self) -> None:
@@ -204,7 +351,7 @@ class AuditWriter:
 
     def flush(self, timeout: float = 5.0) -> bool:
         done = threading.Event()
-        self._pending.append((None, lambda ok: done.set()))
+        self._queued.append((None, lambda ok: done.set()))
         self._signal()
         return done.wait(timeout)
 
@@ -212,36 +359,46 @@ class AuditWriter:
         self._closing = True
         self._signal()
         self._thread.join(timeout)
+        with self._mutex:
+            self._stop_syncer()
 
     def _signal(self) -> None:
-        """Wake the writer (at once if it waits, else after the batch it is writing)."""
+        """Wake the thread (at once if it waits, else after the batch it is writing)."""
         if self._wake.locked():
             with contextlib.suppress(RuntimeError):  # another thread released it just now
                 self._wake.release()
 
-    # -- the writer thread --------------------------------------------------------------------
+    # -- the writer thread: other threads' records, checkpoints on time, probes, rotation ---
 
     def _run(self) -> None:
         # A batch thread gets its fair share of the CPU but does not preempt the event loop
-        # each time a record wakes it: measured with one worker on one core, the loop's
-        # involuntary context switches fell from 0.40 to 0.01 per request and audited
-        # throughput rose 23 %; the records wait for the loop's next pause instead.
+        # each time a record wakes it.
         with contextlib.suppress(AttributeError, OSError):  # Linux only; never fatal
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         while True:
             self._wake.acquire(timeout=self._wait_time())  # takes the wake-up if one is pending
-            batch: list[_Pending] = []
-            pending = self._pending
-            while pending:
-                batch.append(pending.popleft())
             closing = self._closing
-            self._write_batch(batch, final=closing and not pending)
-            if self._rotate or (self._max_bytes and self._size >= self._max_bytes):
-                self._rotate = False
-                self._rotate_now()
-            if closing and not self._pending:
-                self._close_fd()
-                return
+            with self._mutex:
+                batch: list[_Pending] = []
+                for pending in (self._queued, self._pending) if closing else (self._queued,):
+                    while pending:
+                        batch.append(pending.popleft())
+                if self._rotation_due():  # before a final batch: its checkpoint ends the file
+                    self._rotate_now()
+                written = self._next_group
+                self._write_batch(batch, final=closing and not self._queued)
+                if closing or self._next_group != written:  # the loop's own groups: its syncs
+                    self._sync_inline()
+                if not closing and self._rotation_due():
+                    self._rotate_now()
+                if closing and not self._queued:
+                    self._close_fd()
+                    return
+
+    def _rotation_due(self) -> bool:
+        due = self._rotate or bool(self._max_bytes and self._size >= self._max_bytes)
+        self._rotate = False
+        return due
 
     def _wait_time(self) -> float:
         if self.error is not None:
@@ -249,6 +406,8 @@ class AuditWriter:
         if self._since_checkpoint == 0:
             return 1.0
         return max(0.05, self._last_checkpoint + self._interval - time.monotonic())
+
+    # -- writing and syncing (under the mutex) ------------------------------------------------
 
     def _write_batch(self, batch: list[_Pending], *, final: bool = False) -> None:
         waiters, refused = _Waiters(), _Waiters()
@@ -283,21 +442,37 @@ class AuditWriter:
         # is written clears the error.
         probe = self.error is not None and not fields
         if not fields and not due and not probe:
-            waiters.settle(self.error is None)
+            if not waiters.by_loop and not waiters.callbacks:
+                return
+            if self._unsynced:  # a flush marker: answered once the groups before it are
+                state = self._unsynced[-1].state
+                self._unsynced.append(_Group(self._next_group, waiters, [], 0, state))
+                self._next_group += 1
+            else:
+                waiters.settle(self.error is None)
             return
         try:
-            ok = self._append(fields, checkpoint_after=bool(due) or probe, force=probe)
-        except Exception as exc:  # never a dead writer thread with requests waiting on it
+            self._append(fields, waiters, checkpoint_after=bool(due) or probe, force=probe)
+        except Exception as exc:  # never a dead writer with requests waiting on it
             log.error("audit batch failed", extra={"error_type": type(exc).__name__})
             self._failed(len(fields), f"audit writer error ({type(exc).__name__})")
-            ok = False
-        waiters.settle(ok)
+            waiters.settle(False)
 
-    def _append(self, fields: list[bytes], *, checkpoint_after: bool, force: bool = False) -> bool:
+    def _append(
+        self,
+        fields: list[bytes],
+        waiters: _Waiters,
+        *,
+        checkpoint_after: bool,
+        force: bool = False,
+    ) -> bool:
+        """Write ``fields`` (and the lines due with them) to the page cache as one group,
+        whose ``waiters`` are told once a sync covers it; False (and told) when it failed."""
         try:
             self._check_file()
         except OSError as exc:
             self._failed(len(fields), _reason(exc))
+            waiters.settle(False)
             return False
         head = self._head
         lines: list[bytes] = []
@@ -323,36 +498,83 @@ class AuditWriter:
                 lines.append(line)
                 since = 0
         data = b"".join(lines)
+        state = _State(self._size + len(data), head, since, False)
+        group = _Group(self._next_group, waiters, lines, len(fields), state)
+        self._next_group += 1
+        self._unsynced.append(group)
         try:
-            _write_durably(self._fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
         except OSError as exc:
-            self._roll_back()
-            self._failed(len(fields), _reason(exc))
+            self._fail_unsynced(_reason(exc))
             return False
-        self._head = head
-        self._size += len(data)
-        self._open_line_due = False
+        self._size, self._head, self._since_checkpoint, self._open_line_due = state
         if since == 0:
             self._last_checkpoint = time.monotonic()
-        self._since_checkpoint = since
-        self.error = None
-        if self._secondary is not None:
-            self._secondary.send(lines)
         return True
+
+    def _sync_inline(self) -> bool:
+        """Sync here and now (the thread, or the loop without a sync process)."""
+        if not self._unsynced:
+            return self.error is None
+        upto = self._unsynced[-1].id
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            failed = exc.errno or errno.EIO
+        else:
+            failed = 0
+        self._synced(upto, failed)
+        return not failed
+
+    def _synced(self, upto: int, failed: int) -> None:
+        """A sync covering the groups up to ``upto`` returned ``failed`` (an errno, or 0)."""
+        unsynced = self._unsynced
+        if not unsynced or unsynced[0].id > upto:
+            return  # an answer about groups already settled (synced again since)
+        if failed:
+            self._fail_unsynced(_reason(OSError(failed, os.strerror(failed))))
+            return
+        done: list[_Group] = []
+        while unsynced and unsynced[0].id <= upto:
+            done.append(unsynced.popleft())
+        self._durable = done[-1].state
+        self.syncs += 1
+        self.error = None
+        secondary = self._secondary
+        for group in done:
+            group.waiters.settle(True)
+            if secondary is not None and group.lines:
+                secondary.send(group.lines)
+
+    def _fail_unsynced(self, reason: str) -> None:
+        """A write or sync failed: every group not yet durable is lost (the file is cut back
+        to the last durable line, so the chain stays whole) and its requests are told."""
+        groups = list(self._unsynced)
+        self._unsynced.clear()
+        self._roll_back()
+        self._failed(sum(group.records for group in groups), reason)
+        for group in groups:
+            group.waiters.settle(False)
 
     def _failed(self, lost: int, reason: str) -> None:
         if self.error != reason:
             log.error("audit records not written", extra={"reason": reason})
+        if self.error is None:
+            self._signal()  # the thread probes the file from now on (it may wait long else)
         self.error = reason
         self.failures += lost
         if lost:
             self._on_failure(lost)
 
     def _roll_back(self) -> None:
-        """Cut what a failed batch may have left (a torn line); if even that fails, drop the
+        """Cut what failed groups may have left (a torn line); if even that fails, drop the
         file: the next batch reopens the path and checks its tail."""
+        durable = self._durable
+        self._size, self._head, self._since_checkpoint, self._open_line_due = durable
         try:
-            os.ftruncate(self._fd, self._size)
+            os.ftruncate(self._fd, durable.size)
             os.fsync(self._fd)
         except OSError:
             self._close_fd()
@@ -406,8 +628,18 @@ class AuditWriter:
             self._head = head
         self._fd = fd
         self._ino = (found.st_dev, found.st_ino)
+        # The sync process gets a description of its own, opened before any write: a writeback
+        # error is reported once per open file description, so an inline sync on the writer's
+        # descriptor (the thread's, a roll back's) can never take the error that the process's
+        # sync must report, nor the reverse, whichever runs first.
+        self._file += 1
+        try:
+            self._sync_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._sync_fd = -1  # no /proc: every sync inline, on the writer's descriptor
         self._size = os.fstat(fd).st_size
         self._open_line_due = True
+        self._durable = _State(self._size, self._head, self._since_checkpoint, True)
 
     def _tail(self, fd: int) -> Head | None:
         """The head this file continues from: its last line, else the newest rotated file's."""
@@ -450,7 +682,9 @@ class AuditWriter:
     def _rotate_now(self) -> None:
         if self._fd < 0 or self._size == 0:
             return
-        if self._since_checkpoint and not self._append([], checkpoint_after=True):
+        if self._since_checkpoint:
+            self._append([], _Waiters(), checkpoint_after=True)
+        if not self._sync_inline() or self._unsynced:
             return
         rotated = f"{self.path}.{self._head.seq:012d}"
         try:
@@ -460,14 +694,21 @@ class AuditWriter:
             log.error("audit file not rotated", extra={"reason": _reason(exc)})
             return
         self._close_fd()
-        self._append([], checkpoint_after=False)  # the new file's audit.open line
+        if self._append([], _Waiters(), checkpoint_after=False):  # the new file's audit.open line
+            self._sync_inline()
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
+            if self._unsynced:  # what was written to this file is synced (or failed) first
+                self._sync_inline()
             with contextlib.suppress(OSError):
                 os.close(self._fd)
         self._fd = -1
         self._ino = None
+        if self._sync_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._sync_fd)
+            self._sync_fd = -1
 
 
 class _Reopen(OSError):
@@ -482,32 +723,6 @@ def _last_complete(fd: int) -> Head | None:
     complete = data[: data.rfind(b"\n") + 1]
     lines = complete.splitlines()
     return chain.head_of(lines[-1]) if lines else None
-
-
-# pwritev2's RWF_DSYNC (Linux 4.7): the write is durable when it returns, as after write +
-# fdatasync (the kernel syncs the range written and the metadata needed to read it back), in
-# one system call: one GIL release and re-take fewer per group, on a core the loop shares.
-_DSYNC: int = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
-
-
-def _write_durably(fd: int, data: bytes) -> None:
-    """Append ``data`` to ``fd`` (opened ``O_APPEND``) and return once it is on disk."""
-    global _DSYNC
-    if _DSYNC:
-        try:
-            written = os.pwritev(fd, [data], -1, _DSYNC)  # -1: at the file offset (the end)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            _DSYNC = 0  # a kernel or file system without it: write + fdatasync from now on
-        else:
-            if written == len(data):
-                return
-            data = data[written:]  # a short write (a full disk): the rest, then a sync
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.fdatasync(fd)
 
 
 def _sync_directory(path: str) -> None:

@@ -31,7 +31,7 @@ SENSITIVE = ("aad", "context", "signer_id")
 
 class RequestRecord(NamedTuple):
     """One API request's record, captured on the event loop; turned into a line (HMACs and
-    all) on the writer thread. ``values``: the request's parsed items, read only for
+    all) when its group is written. ``values``: the request's parsed items, read only for
     :data:`SENSITIVE` fields. (A named tuple: immutable, and built on every request for a
     fraction of a frozen dataclass's cost, which sets each of its fields by a call.)"""
 
@@ -213,7 +213,7 @@ class Audit:
         return line
 
     def body(self, record: RequestRecord) -> bytes:
-        """:meth:`fields` serialized (the writer thread's format), the same bytes. A plain
+        """:meth:`fields` serialized (the writer's format), the same bytes. A plain
         request's record (no target key, route, detail or sensitive value) repeats all but its
         time and request id from the records before it: that middle is serialized (and its key
         name HMAC'd) once per distinct value, which halves the writer's formatting CPU."""
