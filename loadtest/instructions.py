@@ -40,7 +40,7 @@ from typing import Any, Final
 
 import orjson
 
-from loadtest.hotpath import Headers, application, scope_for
+from loadtest.hotpath import Headers, application, prepare, scope_for
 from loadtest.scenarios import BATCH_ITEMS, MESSAGE_BYTES, PAYLOAD_BYTES, SECRET_BYTES, payload
 
 LOW: Final = 16
@@ -417,8 +417,7 @@ def count(
     tree = root or Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="cryptd-instructions-") as scratch:
         dev_dir = Path(scratch) / "dev"  # keys generated once, outside valgrind
-        with application(dev_dir=dev_dir):
-            pass
+        prepare(dev_dir)
         out = Path(scratch) / "callgrind.out"
         path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "PYTHONPATH": path}
