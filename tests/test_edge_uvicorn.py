@@ -49,6 +49,7 @@ PROTOCOL_METHODS: dict[str, list[str]] = {
     "_start_asgi_task": ["cycle", "app"],
     "_unset_keepalive_if_required": [],
     "_should_upgrade": [],
+    "shutdown": [],
 }
 # HttpToolsProtocol's instance attributes the edge reads or sets: made by __init__ (the
 # per-connection ones None until connection_made).
@@ -278,8 +279,14 @@ def test_server_methods_and_attributes_edge_server_relies_on() -> None:
     assert "self.lifespan = config.lifespan_class(config)" in inspect.getsource(
         uvicorn.Server._serve
     )
-    # uvicorn's shutdown closes the servers EdgeServer.startup makes.
-    assert "self.servers" in inspect.getsource(uvicorn.Server.shutdown)
+    # uvicorn's shutdown closes the servers EdgeServer.startup makes, then asks every
+    # connection to shut down (EdgeProtocol.shutdown drains the idle ones) and waits for them.
+    shutdown = inspect.getsource(uvicorn.Server.shutdown)
+    assert "self.servers" in shutdown
+    assert "connection.shutdown()" in shutdown
+    assert "while self.server_state.connections" in inspect.getsource(
+        uvicorn.Server._wait_tasks_to_complete
+    )
     lifespan = server.config.lifespan_class(server.config)
     assert inspect.iscoroutinefunction(lifespan.startup)
     assert lifespan.should_exit is False

@@ -1,5 +1,5 @@
 """Graceful shutdown under load: SIGTERM while signed requests are in flight loses none of the
-requests the server accepted.
+requests sent before it.
 
 This is what a pod goes through on every rollout, scale-in and node drain: the kubelet runs
 the preStop hook, then sends SIGTERM; uvicorn stops accepting, finishes what it has, exits.
@@ -10,10 +10,14 @@ RSA signing batches that run on the worker pool); one long RSA-4096 signing batc
 before the signal so that a request is certainly being worked on when it arrives.
 
 What counts as lost: a response other than 2xx, the long request not answered in full, a
-cancelled task in the server log, or a connection dropped under a request in any way other than
-the one HTTP/1.1 allows (RFC 9112, 9.3.1): the server closing an idle keep-alive connection while
-the client's next request is on its way; that request was never read, and each client meets it
-at most once, because the listening socket is closed first.
+cancelled task in the server log, or a connection dropped under a request sent before the
+signal, even one whose bytes the server had not read yet because its connection looked idle
+(service/edge/protocol.py, "Shutdown"). A request sent after the signal may meet its
+connection half-closed (a clean EOF, HTTP/1.1's race, RFC 9112 §9.3.1), each client at most
+once, because the listening socket is closed first.
+
+The focused tests below hold the server still (SIGSTOP) so that a request's bytes wait unread
+in its socket with the shutdown due, as on a loop busy with others.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -33,7 +38,8 @@ import orjson
 import pytest
 
 from service.auth.signature import sign_request
-from tests.conftest import Server, start_server
+from tests.conftest import Server, start_server, stop_server
+from tests.rawhttp import ResponseReader, connect, head_bytes
 from tests.test_k8s_support import require_cli
 
 pytestmark = pytest.mark.slow
@@ -60,11 +66,21 @@ class Load:
     outcomes: dict[int, list[Outcome]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def send(self, client: httpx.Client, path: str, body: object) -> httpx.Response:
+    def send(
+        self, client: httpx.Client, path: str, body: object, sent: threading.Event | None = None
+    ) -> httpx.Response:
+        """``sent`` is set once the request's last byte is written."""
         content = orjson.dumps(body)
         headers = sign_request("POST", path, "", content, self.server.client_id, self.server.secret)
         headers["X-Request-ID"] = uuid.uuid4().hex
-        return client.post(self.server.url + path, content=content, headers=headers)
+
+        def trace(event: str, info: object) -> None:
+            if sent is not None and event == "http11.send_request_body.complete":
+                sent.set()
+
+        return client.post(
+            self.server.url + path, content=content, headers=headers, extensions={"trace": trace}
+        )
 
     def responses(self) -> int:
         with self.lock:
@@ -115,13 +131,14 @@ def test_sigterm_under_load_drops_no_accepted_request(tmp_path: Path) -> None:
 
         long_result: dict[str, httpx.Response | BaseException] = {}
         long_ended: list[float] = []
+        long_sent = threading.Event()
 
         def long_request() -> None:
             messages = [{"message": base64.b64encode(os.urandom(32)).decode()}] * LONG_BATCH
             with httpx.Client(timeout=GRACE_SECONDS) as client:
                 try:
                     long_result["response"] = load.send(
-                        client, "/v1/sign/rsa-4096", {"batch": messages}
+                        client, "/v1/sign/rsa-4096", {"batch": messages}, long_sent
                     )
                 except httpx.TransportError as exc:
                     long_result["response"] = exc
@@ -129,7 +146,10 @@ def test_sigterm_under_load_drops_no_accepted_request(tmp_path: Path) -> None:
 
         long_thread = threading.Thread(target=long_request, daemon=True)
         long_thread.start()
-        time.sleep(0.3)  # on its way and being worked on: 1,000 RSA-4096 signatures take longer
+        # Sent (on a busy machine the thread may take longer than the pause below to get
+        # there), then being worked on: 1,000 RSA-4096 signatures take longer than the pause.
+        assert long_sent.wait(GRACE_SECONDS), f"long request not sent: {long_result}"
+        time.sleep(0.3)
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
 
@@ -167,15 +187,79 @@ def test_sigterm_under_load_drops_no_accepted_request(tmp_path: Path) -> None:
     assert all(200 <= s < 300 for s in statuses), sorted(set(statuses))
     drained = [o for o in outcomes if o.status and o.started < signalled < o.ended]
     assert drained, "no request was in flight at SIGTERM: the test proved nothing"
-    # At the signal, an idle kept-alive connection is closed; a request whose bytes were still
-    # unread in its socket then (sent just before the signal, the loop busy with others) is
-    # lost with it, as HTTP/1.1 lets a server close an idle connection (RFC 9112 §9.6: the
-    # client retries). The client's clock starts before it signs and sends: one CI run lost a
-    # request sent 2.5 ms before the signal that way. A request the server had read is never
-    # lost (``drained`` above, and the long batch).
-    unread_window = 0.05
+    # A request sent before the signal is answered even when its connection looked idle then
+    # (its bytes unread); after the signal a client may meet its connection's clean EOF once.
     for number, runs in load.outcomes.items():
         dropped = [o for o in runs if o.error not in (None, "refused")]
         assert len(dropped) <= 1, f"client {number} lost {len(dropped)} requests: {dropped}"
         for outcome in dropped:
-            assert outcome.started >= signalled - unread_window, f"lost before SIGTERM: {outcome}"
+            assert outcome.started >= signalled, f"lost a request sent before SIGTERM: {outcome}"
+
+
+def signed_request(server: Server) -> bytes:
+    """An AES-GCM encryption request's bytes, signed."""
+    path = "/v1/encrypt/aes256-gcm"
+    content = orjson.dumps({"plaintext": base64.b64encode(b"drain").decode()})
+    headers = sign_request("POST", path, "", content, server.client_id, server.secret)
+    headers["Content-Length"] = str(len(content))
+    return head_bytes("POST", path, headers) + content
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_a_request_unread_when_the_drain_begins_is_answered(tmp_path: Path, tls: bool) -> None:
+    """The request is in the server's socket, unread, and its kept-alive connection looks idle
+    when the drain begins: it is answered with ``connection: close``, not cut off."""
+    require_cli()
+    server = start_server(tmp_path, tls=tls)
+    verify = server.verify()
+    context = verify if not isinstance(verify, bool) else None
+    try:
+        with connect(server.url, context=context) as sock:
+            reader = ResponseReader(sock)
+            sock.sendall(signed_request(server))
+            assert reader.read().status == 200  # the connection is kept alive, idle
+            # Held still, the server reads nothing: the request waits in its socket. Stopped
+            # longer than uvicorn's 0.1 s tick, it resumes with the shutdown due; whether its
+            # loop runs that or reads the socket first varies from run to run (uvicorn's
+            # close reset the request in about a third of the runs), answered either way.
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                sock.sendall(signed_request(server))
+                time.sleep(0.3)
+                server.process.send_signal(signal.SIGTERM)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            response = reader.read()
+            assert response.status == 200, response.body
+            assert response.headers["connection"] == "close"
+            assert reader.closed()
+        assert server.process.wait(timeout=GRACE_SECONDS) == 0, server.log()[-2000:]
+    finally:
+        stop_server(server)
+
+
+def test_an_idle_connection_is_half_closed_and_drained(tmp_path: Path) -> None:
+    """An idle kept-alive connection gets a clean EOF at SIGTERM; a request sent on it after
+    that (the client had not seen the EOF yet) is read and dropped, not answered with a reset,
+    and the connection ends when the client closes it."""
+    require_cli()
+    server = start_server(tmp_path)
+    try:
+        with connect(server.url) as sock:
+            reader = ResponseReader(sock)
+            sock.sendall(signed_request(server))
+            assert reader.read().status == 200
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            sock.settimeout(10)
+            assert sock.recv(1) == b"", "an answer on an idle connection"
+            eof_after = time.monotonic() - signalled
+            sock.sendall(signed_request(server))
+            time.sleep(0.2)  # a reset, had the server closed the socket, would be here now
+            # recv() reports EOF even after a reset; the socket's error says whether one came.
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0, "reset"
+            assert sock.recv(1) == b""
+        assert server.process.wait(timeout=GRACE_SECONDS) == 0, server.log()[-2000:]
+        assert eof_after < 5, f"the idle connection was held {eof_after:.2f} s"
+    finally:
+        stop_server(server)

@@ -43,15 +43,28 @@ requests that repeat it, and the connection's timer is kept across responses whe
 within a step anyway (instead of being cancelled and armed again after each one, as uvicorn
 does).
 
+**Shutdown drains idle connections** instead of closing them at once (uvicorn closes an idle
+kept-alive connection when the server stops, and a request whose bytes sat unread in its
+socket, the loop busy with others, is then cut off with a reset). An idle connection is
+given ``DRAIN_GRACE``: a request that arrives meanwhile, or was already waiting unread, is
+answered with ``connection: close``. After that the connection is half-closed and what the
+client still sends is read and dropped until it closes its end (at most ``DRAIN_LINGER``), so
+a client that sent a request as the server stopped meets a clean EOF, never a reset (nginx's
+``lingering_close``). A request being answered is finished; a response whose head already
+went out keep-alive is followed by the same drain. TLS connections cannot be half-closed:
+they are closed once nothing unread is waiting. None of this costs a request anything before
+the server stops.
+
 The protocol is one class over uvicorn's, its request-side parser callbacks, limits and
-refusals together, since each of them changes how the others read the same parser state;
-hence over 400 lines.
+refusals and shutdown together, since each of them changes how the others read the same
+parser state and timer; hence over 400 lines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +91,14 @@ REJECTION_HOOK = "cryptd.edge.rejected"
 causes ``header_size`` (431), ``read_timeout`` (408), ``malformed_http`` (400)."""
 
 _Refusal = tuple[int, str, str, str]  # status, code, message, cause
+
+DRAIN_GRACE = 0.25
+"""Seconds an idle connection is kept open when the server stops, for a request on its way
+(across a network, or the next one of a client just answered)."""
+DRAIN_LINGER = 1.0
+"""Seconds a half-closed connection is read (and the bytes dropped) before it is closed, when
+the client does not close its end first: bytes it sent before it saw the EOF arrive in time."""
+_RECHECK = 0.01  # seconds until a draining connection with unread bytes is looked at again
 
 _FRAMING = (b"content-length", b"transfer-encoding")
 _MALFORMED: _Refusal = (400, "invalid_request", "malformed HTTP request", "malformed_http")
@@ -110,6 +131,9 @@ class EdgeProtocol(HttpToolsProtocol):
 
     # What a TLS listener offers in ALPN (uvicorn reads it too): HTTP/1.1 only.
     alpn_protocols: ClassVar[list[str]] = ALPN
+    # The server is stopping: set on the connection by shutdown() (a class default, so that
+    # opening a connection costs nothing more).
+    _draining = False
 
     def __init__(
         self,
@@ -234,7 +258,10 @@ class EdgeProtocol(HttpToolsProtocol):
             if self._idle_deadline is None:  # not set: idle since the timer was armed
                 self._idle_deadline = now - self._step + self._keep_alive
             if now >= self._idle_deadline - 0.001:
-                self.transport.close()  # idle
+                if self._draining:
+                    self._close_drained()
+                else:
+                    self.transport.close()  # idle
             else:
                 self._rearm(self._idle_deadline - now)
             return
@@ -249,6 +276,62 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _rearm(self, delay: float) -> None:
         self.timeout_keep_alive_task = self.loop.call_later(delay, self.timeout_keep_alive_handler)
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Called by the server on every connection when it stops: see the module's docstring
+        (uvicorn's closes an idle connection at once)."""
+        if self._draining:
+            return
+        self._draining = True
+        # Every request started from now on is the connection's last. Set on the instance, so
+        # that no request pays for the check before the server stops.
+        self._start_asgi_task = self._start_last_task  # type: ignore[method-assign]
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or self.pipeline:
+                # Its head went out keep-alive, or requests wait behind it: once it is
+                # answered, the connection drains as an idle one.
+                cycle.on_response = self._drain_after_response
+            else:
+                cycle.keep_alive = False  # answered with connection: close, then closed
+        elif self._phase == _BETWEEN:
+            self._drain_idle()
+        # Else a request is arriving: it is answered with connection: close, in its limits.
+
+    def _start_last_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        cycle.keep_alive = False
+        EdgeProtocol._start_asgi_task(self, cycle, app)
+
+    def _drain_after_response(self) -> None:
+        self.on_response_complete()
+        cycle = self.cycle
+        closing = self.transport.is_closing()
+        if not closing and cycle.response_complete and self._phase == _BETWEEN:
+            self._drain_idle()
+
+    def _drain_idle(self) -> None:
+        self._unset_keepalive_if_required()
+        self._idle_deadline = self.loop.time() + DRAIN_GRACE
+        self._rearm(DRAIN_GRACE)
+
+    def _close_drained(self) -> None:
+        """The end of an idle connection's grace: close it, unless bytes are waiting unread."""
+        transport = self.transport
+        if transport.is_reading() and _unread(transport):
+            # The loop has not read them yet (busy with others): a request among them is
+            # answered; the client's EOF closes the connection.
+            self._rearm(_RECHECK)
+            return
+        self.parser = _Discard()  # type: ignore[assignment]
+        if transport.can_write_eof():
+            # Half-closed: the client reads EOF; what it sends before it sees that is read
+            # and dropped (closing a socket with unread bytes would send a reset).
+            transport.write_eof()
+            self.timeout_keep_alive_task = self.loop.call_later(DRAIN_LINGER, transport.close)
+        else:
+            transport.close()
 
     # --- parser callbacks ------------------------------------------------------------------
 
@@ -417,6 +500,16 @@ class EdgeProtocol(HttpToolsProtocol):
         # A stand-in head with the framing only; its head events are dropped.
         head = b"POST / HTTP/1.1\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in framing)
         return head + b"\r\n" + rest
+
+
+def _unread(transport: asyncio.Transport) -> bool:
+    """Whether the transport's socket holds bytes (or the peer's EOF) not read yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _UpgradeBody:
