@@ -133,13 +133,26 @@ def pg_primary(bed: Bed) -> str | None:
     return None
 
 
-def pg_start(bed: Bed, role: str) -> None:
+def pg_start(bed: Bed, role: str, attempts: int = 3) -> None:
+    """Start the machine's PostgreSQL; tried again a moment later when it does not come up
+    (a start right after a SIGKILL of the same machine can still find the dead server's
+    resources), and the error carries the server log's last lines, which the bed's teardown
+    removes."""
     data = bed.directory(role) / "data"
     log = bed.directory(role) / "postgres.log"
     argv = as_postgres(
         [pg_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60", "start"]
     )
-    run(bed.node(role).command(argv), timeout=90)
+    for attempt in range(attempts):
+        try:
+            run(bed.node(role).command(argv), timeout=90)
+            return
+        except BedError as exc:
+            tail = log.read_text(errors="replace").splitlines()[-8:] if log.exists() else []
+            if attempt == attempts - 1:
+                raise BedError(f"{exc}; {role}'s log ends: {' | '.join(tail)}") from None
+            print(f"{role}: PostgreSQL did not start ({' | '.join(tail[-2:])}); again")
+            time.sleep(2.0)
 
 
 def _pg_settings(bed: Bed, role: str) -> str:
