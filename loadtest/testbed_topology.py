@@ -22,7 +22,9 @@ PG_PORT: Final = 5432
 REDIS_SERVICE: Final = "cryptd"  # the Sentinel master name
 DATABASE: Final = "cryptd"
 CLIENT_ID: Final = "bed"
-HOST_DISK: Final = "16m"  # each cryptd host's tmpfs: small, so a fault can fill it
+# Each cryptd host's tmpfs: a whole campaign's audit trail (~16 MB a host, every refused replay
+# audited) fits with room to spare, and filling it (the disk-full fault) is still quick.
+HOST_DISK: Final = "96m"
 FAKETIME_LIBS: Final = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
     "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
