@@ -100,6 +100,26 @@ def _refusal_times(phase: PhaseResult, outcomes: list[Outcome], shown: int = 8) 
     return f"- {phase.name}: refusals at {first} s{more}; {said}"
 
 
+def _lost_answers(phase: PhaseResult, outcomes: list[Outcome]) -> str:
+    """Calls accepted after attempts that got no answer (the client sent them again, signed
+    afresh): not refusals, but their clients waited; how long, from the first attempt."""
+    served = [
+        o
+        for o in phase.outcomes(outcomes)
+        if o.lost and 200 <= o.status < 300 and o.at >= phase.fault_at
+    ]
+    if not served:
+        return ""
+    why = Counter(name for o in served for name in o.lost)
+    waits = [o.latency for o in served]
+    return (
+        f"- {phase.name}: {len(served)} calls accepted after an attempt without answer "
+        f"({', '.join(f'{n} x{c}' for n, c in why.most_common())}), answered "
+        f"{percentile(waits, 0.5):.2f} / {max(waits):.2f} s (median / max) after their "
+        "first attempt left"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}" if seconds == seconds else "—"
 
@@ -149,6 +169,7 @@ def render(
         )
     notes = [f"- {p.name}: {n}" for p in phases for n in p.notes]
     notes += [line for p in phases if (line := _refusal_times(p, outcomes))]
+    notes += [line for p in phases if (line := _lost_answers(p, outcomes))]
     details = [f"- {p.name}: {p.details}" for p in phases if p.details]
     if details or notes:
         lines += ["", *details, *notes]

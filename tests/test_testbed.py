@@ -136,6 +136,37 @@ def test_the_report_states_every_goal() -> None:
     assert "no longer decrypting: **0**" in text
 
 
+def test_a_call_served_after_a_lost_answer_is_accepted_with_its_whole_wait() -> None:
+    """A host cut off with a request in flight: the balancer closes the session when it takes
+    the host out, the client sends the crypto call again and another host serves it. Not a
+    refusal; the wait, from the first attempt, is in the notes."""
+    phase = PhaseResult("cut-links", "app3", started=0.0, fault_at=1.0, ended=10.0)
+    lost = ("RemoteProtocolError",)
+    outcomes = [
+        Outcome(1.1, "encrypt", 200, False, sent=1.05),
+        Outcome(2.5, "sign", 200, False, sent=2.45, lost=lost, first_sent=1.0),
+        Outcome(2.6, "encrypt", 200, False, sent=2.5, lost=lost, first_sent=1.1),
+    ]
+    assert outcomes[1].latency == pytest.approx(1.5)
+    assert outcomes[0].latency == pytest.approx(0.05)
+    r = refusals(phase, outcomes)
+    assert (r.requests, r.accepted, r.window_s) == (3, 3, 0.0)
+    text = render(
+        title="t",
+        setup={},
+        phases=[phase],
+        outcomes=outcomes,
+        rounds=[],
+        revocation_errors=[],
+        integrity=Integrity(),
+        final_replay=ReplayResult(),
+    )
+    assert (
+        "- cut-links: 2 calls accepted after an attempt without answer (RemoteProtocolError x2),"
+        " answered 1.50 / 1.50 s (median / max) after their first attempt left" in text
+    )
+
+
 def test_the_propagation_header_is_read_for_the_report() -> None:
     header = 'replicas=3, confirmed=2, waited=0.043, missing=("ab12")'
     assert parse_propagation(header) == {"replicas": 3, "confirmed": 2, "waited": 0.043}
