@@ -233,13 +233,14 @@ async def test_a_reply_received_while_the_event_loop_stalled_is_not_a_timeout() 
         started = time.monotonic()
         with pytest.raises(redis.exceptions.TimeoutError):
             await connection.pipeline([("BLPOP", nothing, "2")])
-        assert 0.24 < time.monotonic() - started < 0.5
+        # (a loaded machine may run the timer late and extend it once: 0.5 s)
+        assert 0.24 < time.monotonic() - started < 0.9
         # ... and one more period after the stall ended when one did.
         started = time.monotonic()
         loop.call_later(0.02, time.sleep, 0.4)
         with pytest.raises(redis.exceptions.TimeoutError):
             await connection.pipeline([("BLPOP", nothing, "2")])
-        assert 0.6 < time.monotonic() - started < 0.9
+        assert 0.6 < time.monotonic() - started < 1.5
         # The connection was dropped with the unread reply; the next batch reconnects.
         assert await connection.pipeline([("PING",)]) == [b"PONG"]
     finally:
