@@ -11,6 +11,12 @@ What a thread sends (one client each, its own keep-alive pool, the client's own 
 Every request's answer is an :class:`Outcome` (its time, operation, status, whether a 503 came
 with ``Retry-After``); every request answered 2xx is an :class:`Accepted` with the exact bytes
 sent, which :func:`replay` sends again, unchanged, to every host directly.
+
+An attempt that got no answer and that the client sent again (a crypto call whose connection
+broke or timed out: each copy is signed afresh) is not an answer: the call's outcome is the
+later attempt's, and it carries the lost attempts (``lost``) and the call's first send time
+(``first_sent``), so a call served after a lost answer is accepted with its whole latency. A
+call that ends without an answer is an outcome with status 0.
 """
 
 from __future__ import annotations
@@ -23,16 +29,19 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 import orjson
 
 from cryptd_client import CryptdClient
+from cryptd_client._base import CAUGHT, Steps
 from cryptd_client.errors import CryptdAPIError, CryptdConnectionError
 
 CRYPTO_KEY = "load-aes"
 SIGN_KEY = "load-ed25519"
 BATCH = 8
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,17 @@ class Outcome:
     retry_after: bool
     reason: str = ""  # a refusal's error code and message, shortened
     sent: float = float("nan")  # monotonic, when the request left (nan: not known; use ``at``)
+    lost: tuple[str, ...] = ()  # earlier attempts of the same call that got no answer
+    first_sent: float = float("nan")  # monotonic, when the call's first attempt left
 
     @property
     def sent_at(self) -> float:
         return self.at if self.sent != self.sent else self.sent
+
+    @property
+    def latency(self) -> float:
+        """From the call's first attempt to this answer (nan: not known)."""
+        return self.at - (self.sent_at if self.first_sent != self.first_sent else self.first_sent)
 
 
 @dataclass(frozen=True)
@@ -80,7 +96,13 @@ class Recorder:
     acknowledged: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def on_response(self, response: httpx.Response, sent: float = float("nan")) -> None:
+    def on_response(
+        self,
+        response: httpx.Response,
+        sent: float = float("nan"),
+        lost: tuple[str, ...] = (),
+        first_sent: float = float("nan"),
+    ) -> None:
         request = response.request
         now = time.monotonic()
         target = request.url.raw_path.decode("ascii")
@@ -89,7 +111,9 @@ class Recorder:
         retry_after = "retry-after" in response.headers
         reason = "" if response.is_success else _reason(response)
         with self.lock:
-            self.outcomes.append(Outcome(now, op, response.status_code, retry_after, reason, sent))
+            self.outcomes.append(
+                Outcome(now, op, response.status_code, retry_after, reason, sent, lost, first_sent)
+            )
             if response.is_success:
                 headers = tuple(
                     (k, v)
@@ -98,9 +122,13 @@ class Recorder:
                 )
                 self.accepted.append(Accepted(now, op, request.method, target, headers, content))
 
-    def failed(self, operation: str, why: str = "", sent: float = float("nan")) -> None:
+    def failed(
+        self, operation: str, why: str = "", sent: float = float("nan"), lost: tuple[str, ...] = ()
+    ) -> None:
         with self.lock:
-            self.outcomes.append(Outcome(time.monotonic(), operation, 0, False, why, sent))
+            self.outcomes.append(
+                Outcome(time.monotonic(), operation, 0, False, why, sent, lost, sent)
+            )
 
 
 def _reason(response: httpx.Response) -> str:
@@ -113,12 +141,15 @@ def _reason(response: httpx.Response) -> str:
 
 
 class RecordingClient(CryptdClient):
-    """The project's blocking client with every answer handed to a :class:`Recorder`."""
+    """The project's blocking client with every answer handed to a :class:`Recorder`, and
+    each call's attempts that got no answer (the client's own retry decisions, unchanged)."""
 
     recorder: Recorder
 
     def _open(self) -> None:
         self._sent: dict[int, float] = {}  # id of a request in flight -> when it left
+        self.first_sent = float("nan")  # the current call's first attempt
+        self.lost: list[str] = []  # the current call's attempts that got no answer
         self._http = httpx.Client(
             timeout=self.timeout,
             verify=self._tls_verify,
@@ -131,7 +162,28 @@ class RecordingClient(CryptdClient):
     def _record(self, response: httpx.Response) -> None:
         sent = self._sent.pop(id(response.request), float("nan"))
         response.read()
-        self.recorder.on_response(response, sent)
+        self.recorder.on_response(response, sent, tuple(self.lost), self.first_sent)
+
+    def _complete(self, steps: Steps[T]) -> T:
+        """:meth:`CryptdClient._complete`, noting the call's first send and lost attempts."""
+        self.first_sent, self.lost = time.monotonic(), []
+        for action in steps:
+            if isinstance(action, httpx.Request):
+                try:
+                    steps.answer(self._http.send(action))
+                except CAUGHT as exc:
+                    self._sent.pop(id(action), None)
+                    self.lost.append(type(exc).__name__)
+                    steps.answer(exc)
+            else:
+                time.sleep(action)
+        return steps.result
+
+
+def _why(exc: BaseException) -> str:
+    """``CryptdConnectionError (RemoteProtocolError)``: the error and what caused it."""
+    cause = exc.__cause__
+    return type(exc).__name__ + ("" if cause is None else f" ({type(cause).__name__})")
 
 
 def client(url: str, client_id: str, secret: bytes, recorder: Recorder) -> RecordingClient:
@@ -206,9 +258,8 @@ class Load:
                 except CryptdAPIError:
                     pass  # recorded by the hook
                 except (CryptdConnectionError, httpx.HTTPError) as exc:
-                    # No answer (the client retries refused connections, not a read that
-                    # timed out: the request may have been served).
-                    recorder.failed(op, type(exc).__name__, sent)
+                    # No answer, after the client's retries (each lost attempt is in ``lost``).
+                    recorder.failed(op, _why(exc), sent, tuple(c.lost))
 
     def _keys(self) -> None:
         recorder = self.recorder
@@ -227,7 +278,8 @@ class Load:
                 except CryptdAPIError:
                     pass
                 except (CryptdConnectionError, httpx.HTTPError) as exc:
-                    recorder.failed("key-management", type(exc).__name__)
+                    # Sent and not answered: never sent again (it may have been served).
+                    recorder.failed("key-management", _why(exc), c.first_sent, tuple(c.lost))
                 self._stop.wait(0.05)
 
     def _ack(self, name: str, version: int) -> None:

@@ -100,6 +100,26 @@ def _refusal_times(phase: PhaseResult, outcomes: list[Outcome], shown: int = 8) 
     return f"- {phase.name}: refusals at {first} s{more}; {said}"
 
 
+def _lost_answers(phase: PhaseResult, outcomes: list[Outcome]) -> str:
+    """Calls accepted after attempts that got no answer (the client sent them again, signed
+    afresh): not refusals, but their clients waited; how long, from the first attempt."""
+    served = [
+        o
+        for o in phase.outcomes(outcomes)
+        if o.lost and 200 <= o.status < 300 and o.at >= phase.fault_at
+    ]
+    if not served:
+        return ""
+    why = Counter(name for o in served for name in o.lost)
+    waits = [o.latency for o in served]
+    return (
+        f"- {phase.name}: {len(served)} calls accepted after an attempt without answer "
+        f"({', '.join(f'{n} x{c}' for n, c in why.most_common())}), answered "
+        f"{percentile(waits, 0.5):.2f} / {max(waits):.2f} s (median / max) after their "
+        "first attempt left"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}" if seconds == seconds else "—"
 
@@ -108,6 +128,29 @@ def _statuses(counter: Counter[int]) -> str:
     if not counter:
         return "none"
     return ", ".join(f"{'no answer' if s == 0 else s}x{n}" for s, n in sorted(counter.items()))
+
+
+def _revocation_row(name: str, chosen: list[Round]) -> str:
+    def known(values: list[float]) -> list[float]:
+        return [v for v in values if v == v]
+
+    times = [r.seconds for r in chosen]
+    after = known([r.propagation for r in chosen])
+    disabled = known([r.key_disabled_after for r in chosen])
+    rtts = known([r.probe_rtt for r in chosen])
+    waits = known([r.waited for r in chosen])
+    return (
+        f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} / "
+        f"{_ms(percentile(times, 0.99))} / {_ms(max(times, default=float('nan')))} | "
+        f"{_ms(percentile(after, 0.99))} | {sum(r.first_refused for r in chosen)} of "
+        f"{sum(r.lanes for r in chosen)} | {sum(r.unrelated_first for r in chosen)} | "
+        f"{_ms(percentile(disabled, 0.99))} | {_ms(percentile(rtts, 0.99))} | "
+        f"{_ms(percentile(waits, 0.5))} / {_ms(percentile(waits, 0.99))} | "
+        f"{sum(1 for r in chosen if r.confirmed < r.replicas or not r.replicas)} | "
+        f"{sum(r.served_after for r in chosen)} | "
+        f"{sum(r.served_after_refusal for r in chosen)} | "
+        f"{sum(r.other_refusals for r in chosen)} | {sum(r.absent for r in chosen)} |"
+    )
 
 
 def render(
@@ -149,6 +192,7 @@ def render(
         )
     notes = [f"- {p.name}: {n}" for p in phases for n in p.notes]
     notes += [line for p in phases if (line := _refusal_times(p, outcomes))]
+    notes += [line for p in phases if (line := _lost_answers(p, outcomes))]
     details = [f"- {p.name}: {p.details}" for p in phases if p.details]
     if details or notes:
         lines += ["", *details, *notes]
@@ -165,39 +209,48 @@ def render(
     )
     lines += ["", "## Revocation across hosts", ""]
     lines += [
-        "From the `PATCH {state: disabled}` answer on one host until every reachable worker of "
-        "every host refuses the key with `409 key_disabled` (probes pinned to each worker, "
-        "released by the answer). *Probe bound*: until the last worker's refusal came back (its "
-        "round trip, and this process's CPU, in it). *After the answer*: until the last "
-        "worker's refused probe was sent, a worker that refused its first probe counting 0 "
-        "(the change was in force when the answer left: that probe's send time is this "
-        "process's wake-up); how many did is the next column. *Confirmation*: the answer's own "
-        "`X-Cryptd-Propagation` wait, commit to every live replica enforcing the change.",
+        "Each round creates a key, disables it with a `PATCH {state: disabled}` on one host, "
+        "and from that answer on asks every reachable worker of every host to encrypt under "
+        "it (one connection pinned to each worker), again and again until the worker answers "
+        "`409 key_disabled`. What must hold: no worker serves the key after the answer. A "
+        "worker that refuses every request at that moment (a Redis failover's `503 "
+        "overloaded`, a full disk's `503 audit_unavailable`, HAProxy's `503` with no host "
+        "ready) does not serve the key either, so any refusal counts as refusing it.",
+        "",
+        "- *probe bound*: from the answer until the last worker's counted refusal came back "
+        "(that probe's round trip, and this process's CPU, in it);",
+        "- *after the answer*: from the answer until the last worker's counted refusal was "
+        "sent; a worker's counted refusal is its first refusal of any kind after which it "
+        "served nothing (0 when that is its very first probe: the change was in force when "
+        "the answer left, and that probe's send time is only this process waking up);",
+        "- *workers refusing their first probe*: for any reason, of all workers probed;",
+        "- *first refused for another reason*: the workers whose first answer was a refusal "
+        "other than `key_disabled` (a 503 or 429);",
+        "- *until `key_disabled`*: from the answer until every worker was seen answering "
+        "`key_disabled` itself (a worker never seen doing so counts its last probe), the "
+        "figure this report called *after the answer* before;",
+        "- *probe round trip*: the slowest counted refusal, sent to answered;",
+        "- *confirmation*: the answer's own `X-Cryptd-Propagation` wait, from the commit "
+        "until every live replica enforced the change; *rounds not confirmed by every "
+        "replica*: rounds whose answer names fewer confirmations than replicas;",
+        "- *encryptions served after the answer*: every one, before or after a refusal "
+        "(goal 0); *workers serving after a refusal*: those that served one after having "
+        "refused (goal 0; such a worker's counted refusal is its next one);",
+        "- *other refusals retried*: probes refused for another reason; *workers absent*: "
+        "not reachable this round, or answering no probe.",
         "",
         "| phase | rounds | probe bound P50 / P99 / max ms | after the answer P99 ms "
-        "| workers refusing their first probe | probe round trip P99 ms "
-        "| confirmation P50 / P99 ms | rounds not confirmed by every "
-        "replica | encryptions served after the answer | other refusals retried "
-        "| workers absent |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workers refusing their first probe | first refused for another reason "
+        "| until `key_disabled` P99 ms | probe round trip P99 ms "
+        "| confirmation P50 / P99 ms | rounds not confirmed by every replica "
+        "| encryptions served after the answer | workers serving after a refusal "
+        "| other refusals retried | workers absent |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = ["all", *dict.fromkeys(r.phase for r in rounds)]
     for name in names:
         chosen = rounds if name == "all" else [r for r in rounds if r.phase == name]
-        times = [r.seconds for r in chosen]
-        after = [r.propagation for r in chosen if r.propagation == r.propagation]
-        rtts = [r.probe_rtt for r in chosen if r.probe_rtt == r.probe_rtt]
-        waits = [r.waited for r in chosen if r.waited == r.waited]
-        lines.append(
-            f"| {name} | {len(chosen)} | {_ms(percentile(times, 0.5))} / "
-            f"{_ms(percentile(times, 0.99))} / {_ms(max(times, default=float('nan')))} | "
-            f"{_ms(percentile(after, 0.99))} | {sum(r.first_refused for r in chosen)} of "
-            f"{sum(r.lanes for r in chosen)} | {_ms(percentile(rtts, 0.99))} | "
-            f"{_ms(percentile(waits, 0.5))} / {_ms(percentile(waits, 0.99))} | "
-            f"{sum(1 for r in chosen if r.confirmed < r.replicas or not r.replicas)} | "
-            f"{sum(r.served_after for r in chosen)} | {sum(r.other_refusals for r in chosen)} | "
-            f"{sum(r.absent for r in chosen)} |"
-        )
+        lines.append(_revocation_row(name, chosen))
     if revocation_errors:
         lines += ["", f"Rounds that could not run ({len(revocation_errors)}), first ones:", ""]
         lines += [f"- {e}" for e in revocation_errors[:5]]

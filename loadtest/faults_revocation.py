@@ -4,22 +4,29 @@ A round: create a key on one host, have every worker of every host encrypt under
 kept-alive connection pinned to each worker, found through ``/readyz``'s worker index), set it
 ``disabled`` with a PATCH on one host, and the moment that answer arrives release every
 worker's probe (threads started before the PATCH, waiting on an event) to encrypt under it
-until refused with ``409 key_disabled``; any other refusal (503 overloaded, 429) says nothing
-about the key and is retried, counted apart.
+until refused with ``409 key_disabled``; any other answer (served, 503 overloaded, 429) is
+recorded and the probe sent again.
 
-Recorded per round, so that the mechanism and the probes are told apart:
+What the probes mean is read by :mod:`loadtest.faults_revocation_lanes`: the property is that
+no worker *serves* the key after the answer, and a worker refusing every request (a Redis
+failover's 503s) refuses the key too. Recorded per round, so that the mechanism and the probes
+are told apart:
 
-- ``seconds``: the answer to the last worker's first ``key_disabled`` back: an upper bound on
-  the propagation, with the probe's round trip (and, on a busy machine, the wait for this
-  process's GIL and CPU) in it;
-- ``propagation``: the answer until the last worker's first refused probe was *sent*: how long
-  after the answer some worker still had to be asked (the thread's wake-up when the first probe
-  was refused, which is the design: the answer waits for every replica's confirmation);
-- ``probe_rtt``: the slowest lane's refused probe, sent to answered;
+- ``propagation`` ("after the answer"): until the last worker's refusal was *sent*, a refusal
+  of any kind counting, provided the worker served nothing after it; a worker that refused its
+  first probe counts 0 (that send time is this thread's wake-up: the answer waits for every
+  replica's confirmation, so the change was in force when it left);
+- ``seconds`` (the probe bound): until that refusal came back, with the probe's round trip
+  (and, on a busy machine, the wait for this process's GIL and CPU) in it;
+- ``probe_rtt``: the slowest of those refused probes, sent to answered;
+- ``unrelated_first``, ``key_disabled_after``: the workers whose first answer was a refusal
+  that says nothing about the key, and the time until every worker was seen answering
+  ``key_disabled`` (the figure this report gave as "after the answer" before);
+- ``served_after``: encryptions sent after the answer that were served (goal 0), and
+  ``served_after_refusal``: workers that served one after having refused (goal 0);
 - ``confirmed``, ``replicas``, ``waited``: the PATCH answer's ``X-Cryptd-Propagation`` (the
   product's own statement that every live replica enforced the change before it answered, and
-  how long that took from the commit);
-- ``served_after``: encryptions sent after the answer that were served (goal 0).
+  how long that took from the commit).
 
 A worker that cannot be reached (its host killed or cut off) sits the round out and is counted.
 """
@@ -38,12 +45,12 @@ from typing import Any
 import httpx
 import orjson
 
+from loadtest.faults_revocation_lanes import Probe, figures, read_lane
 from service.auth.signature import sign_request
 
 PLAINTEXT = base64.b64encode(b"revocation probe").decode()
 PROBE_TIMEOUT = 10.0
 CHANGE_TIMEOUT = 10.0  # a key change's answer (the server waits at most 7 s for replicas)
-REFUSED = (409, "key_disabled")  # the refusal a disabled key gets; anything else is retried
 
 
 @dataclass
@@ -95,17 +102,20 @@ def parse_propagation(header: str | None) -> dict[str, float]:
 @dataclass
 class Round:
     phase: str
-    seconds: float  # answer -> last worker's first key_disabled back (probe round trip in it)
+    seconds: float  # answer -> last worker's counted refusal back (probe round trip in it)
     served_after: int
     lanes: int
     absent: int  # workers that could not be reached this round
-    propagation: float = float("nan")  # answer -> last worker's refused probe sent (0: first)
-    probe_rtt: float = float("nan")  # the slowest lane's refused probe, sent -> answered
+    propagation: float = float("nan")  # answer -> last worker's counted refusal sent (0: first)
+    probe_rtt: float = float("nan")  # the slowest counted refusal, sent -> answered
     replicas: int = 0  # the PATCH answer's X-Cryptd-Propagation
     confirmed: int = 0
     waited: float = float("nan")  # the answer's wait for the other replicas (commit on)
     other_refusals: int = 0  # probes refused for something else than the key (503, 429)
-    first_refused: int = 0  # workers that refused the first probe sent after the answer
+    first_refused: int = 0  # workers that refused (for any reason) their first probe
+    unrelated_first: int = 0  # ... whose refusal was not key_disabled
+    key_disabled_after: float = float("nan")  # answer -> last worker's key_disabled sent
+    served_after_refusal: int = 0  # workers that served the key after having refused it
 
 
 @dataclass
@@ -186,9 +196,7 @@ class Revocation:
                 while lane.encrypt(key) != 200 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 live.append(lane)
-        refused: dict[str, tuple[float, float, bool]] = {}  # lane -> (sent, answered, first)
-        served = [0]
-        others = [0]
+        seen: dict[str, list[Probe]] = {lane.name: [] for lane in live}
         go = threading.Event()
         answered = [0.0]
 
@@ -196,20 +204,15 @@ class Revocation:
             if not go.wait(PROBE_TIMEOUT):
                 return
             deadline = answered[0] + PROBE_TIMEOUT
-            first = True
+            probes = seen[lane.name]
             with contextlib.suppress(httpx.HTTPError):
                 while time.monotonic() < deadline:
                     sent = time.monotonic()
                     status, code = lane.verdict(key)
-                    if status == 200:
-                        served[0] += 1
-                    elif (status, code) == REFUSED:
-                        refused[lane.name] = (sent, time.monotonic(), first)
+                    probes.append(Probe(sent, time.monotonic(), status, code))
+                    if probes[-1].key_disabled:
                         return
-                    else:
-                        others[0] += 1
-                        time.sleep(0.02)
-                    first = False
+                    time.sleep(0.02)
 
         # Started before the PATCH, released by its answer: no thread start in the figures.
         threads = [threading.Thread(target=probe, args=(lane,)) for lane in live]
@@ -229,24 +232,22 @@ class Revocation:
         if answer.status_code != 200:
             raise RuntimeError(f"disable answered {answer.status_code}")
         header = parse_propagation(answer.headers.get("x-cryptd-propagation"))
-        missing = len(live) - len(refused)
-        last = max(refused.values(), default=(answered[0], answered[0], True), key=lambda t: t[1])
+        read = [w for probes in seen.values() if (w := read_lane(probes, answered[0])) is not None]
+        f = figures(read)
         return Round(
             phase,
-            last[1] - answered[0],
-            served[0],
-            len(refused),
-            absent + missing,
-            # A worker that refused its first probe had the change in force when the answer
-            # left (that probe's send time is this process's wake-up, not the server's).
-            propagation=max(
-                (0.0 if first else s - answered[0] for s, _, first in refused.values()),
-                default=0.0,
-            ),
-            first_refused=sum(1 for _, _, first in refused.values() if first),
-            probe_rtt=max((a - s for s, a, _ in refused.values()), default=float("nan")),
+            f.seconds,
+            f.served_after,
+            f.lanes,
+            absent + len(live) - f.lanes,
+            propagation=f.propagation,
+            first_refused=f.first_refused,
+            probe_rtt=f.probe_rtt,
             replicas=int(header.get("replicas", 0)),
             confirmed=int(header.get("confirmed", 0)),
             waited=header.get("waited", float("nan")),
-            other_refusals=others[0],
+            other_refusals=f.other_refusals,
+            unrelated_first=f.unrelated_first,
+            key_disabled_after=f.key_disabled_after,
+            served_after_refusal=f.served_after_refusal,
         )

@@ -421,7 +421,12 @@ def haproxy_start(bed: Bed) -> None:
         "  http-check expect status 200\n"
         # A host that is down (a Redis failover's window) is checked every 100 ms: it is back
         # in the balancer 0.1-0.2 s after its readiness passes again, not 0.5-1 s.
-        "  default-server inter 500ms fastinter 100ms downinter 100ms fall 2 rise 2\n"
+        # A host cut off from the network answers nothing: the requests in flight to it
+        # would wait for `timeout server` (or the client's own timeout). Closing them when
+        # the checks take the host out makes them fail fast; the client sends a crypto call
+        # again (signed afresh) and another host serves it.
+        "  default-server inter 500ms fastinter 100ms downinter 100ms fall 2 rise 2"
+        " on-marked-down shutdown-sessions\n"
         f"{servers}\n"
     )
     run(["haproxy", "-c", "-q", "-f", str(conf)])

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import venv
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,3 +282,25 @@ def test_retry_decisions(offline: CryptdClient) -> None:
         metadata = {"name": "k", "type": "aes256-gcm", "latest_version": 2}
         rotated = httpx.Response(200, json={**metadata, "min_decryption_version": 1})
         assert _attempts(client, rotate, [never, rotated])[0] == 2
+        # Sent, and no answer came (a host cut off; a balancer closing a dead host's
+        # sessions): a crypto call is signed afresh and sent again; key management raises.
+        for lost_answer in (
+            httpx.ReadTimeout("timed out", request=request),
+            httpx.ReadError("reset", request=request),
+        ):
+            assert _attempts(client, random, [lost_answer, ok]) == (2, bytes(8))
+            sent, error = _attempts(client, rotate, [lost_answer, rotated])
+            assert (sent, error) == (1, lost_answer)
+            sent, error = _attempts(client, random, [lost_answer] * 5)
+            assert (sent, error) == (4, lost_answer)
+    # The time spent waiting for a lost answer counts toward max_total_wait: 0.12 s waited
+    # plus the first backoff (0.1 s) is past 0.15 s, where 0.1 s alone would be retried.
+    with CryptdClient("http://127.0.0.1:1", "c", "c2VjcmV0", max_total_wait=0.15) as impatient:
+        steps = impatient._steps(vars(CryptoEndpoints)["random"].build(impatient, 8))
+        timed_out = httpx.ReadTimeout("timed out", request=request)
+        actions = iter(steps)
+        assert isinstance(next(actions), httpx.Request)
+        time.sleep(0.12)
+        steps.answer(timed_out)
+        with pytest.raises(httpx.ReadTimeout):
+            next(actions)  # given up, not a sleep before a second attempt

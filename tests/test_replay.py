@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from service.auth.authenticator import Authenticator
 from service.auth.clients import ClientsFile
 from service.auth.coalesce import Coalescer
-from service.auth.redis_client import close, connect
+from service.auth.redis_client import SerialConnection, close, connect
 from service.auth.replay import (
     KEY_PREFIX,
     SEED_SCRIPT,
@@ -211,6 +211,41 @@ async def test_coalescer_batches_keeps_order_and_shares_failures() -> None:
     )
     assert [type(r) for r in results] == [OSError, OSError]  # one batch, one fate
     assert await coalescer.submit(3) == 6  # and the next batch is fine
+
+
+async def test_a_reply_received_while_the_event_loop_stalled_is_not_a_timeout() -> None:
+    """The event loop held up past the 250 ms read timeout (another request's long synchronous
+    step) while Redis answers: the answer is in the socket when the loop runs again, together
+    with the timer. It is read, not refused as "replay store unavailable"; a Redis that does
+    not answer still ends in a timeout, at most one period more for the stall."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL, socket_timeout=0.25)
+    connection = SerialConnection(client)
+    loop = asyncio.get_running_loop()
+    nothing = f"cryptd-test:stall:{uuid.uuid4().hex}"
+    try:
+        assert await connection.pipeline([("PING",)]) == [b"PONG"]
+        # Redis answers after 50 ms (BLPOP's own timeout: nil); the loop stalls from 20 ms
+        # to 420 ms, so the answer waits in the socket until both are due.
+        loop.call_later(0.02, time.sleep, 0.4)
+        assert await connection.pipeline([("BLPOP", nothing, "0.05")]) == [None]
+        # Redis silent for 2 s: a timeout after 250 ms when nothing stalls...
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await connection.pipeline([("BLPOP", nothing, "2")])
+        # (a loaded machine may run the timer late and extend it once: 0.5 s)
+        assert 0.24 < time.monotonic() - started < 0.9
+        # ... and one more period after the stall ended when one did.
+        started = time.monotonic()
+        loop.call_later(0.02, time.sleep, 0.4)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await connection.pipeline([("BLPOP", nothing, "2")])
+        assert 0.6 < time.monotonic() - started < 1.5
+        # The connection was dropped with the unread reply; the next batch reconnects.
+        assert await connection.pipeline([("PING",)]) == [b"PONG"]
+    finally:
+        await connection.aclose()
+        await close(client)
 
 
 async def test_unreachable_redis_fails_fast() -> None:

@@ -20,6 +20,7 @@ from loadtest.faults import Timing, campaign
 from loadtest.faults_load import Integrity, Outcome, ReplayResult, operation_of
 from loadtest.faults_report import PhaseResult, refusal_window, refusals, render
 from loadtest.faults_revocation import Round, parse_propagation
+from loadtest.faults_revocation_lanes import LaneReading, Probe, figures, read_lane
 from loadtest.testbed import down, up
 from loadtest.testbed_faults import failover_timeline
 from loadtest.testbed_net import BedError, mounts_under, namespaces
@@ -122,7 +123,14 @@ def test_the_report_states_every_goal() -> None:
         ],
         rounds=[
             Round("kill-host", 0.012, 0, 6, 0, 0.001, 0.011, 3, 3, 0.040, first_refused=5),
-            Round("steady", 0.008, 0, 6, 0, 0.002, 0.006, 3, 2, 0.020, other_refusals=1),
+            Round(
+                "steady",
+                *(0.008, 0, 6, 0, 0.002, 0.006, 3, 2, 0.020),
+                other_refusals=1,
+                first_refused=1,
+                unrelated_first=1,
+                key_disabled_after=0.030,
+            ),
         ],
         revocation_errors=[],
         integrity=Integrity(tokens=10, tokens_failed=0, keys=3),
@@ -132,8 +140,131 @@ def test_the_report_states_every_goal() -> None:
     assert "| kill-host | app2 | 2 | 1 | 503x1 | 0.50 | 0.00 | 0 | 0 | 2.5 | 6 / 1 |" in text
     assert "- kill-host: refusals at +0.50 s; 503 overloaded: replay store unavailable x1" in text
     assert "**1 replays in all got past" in text
-    assert "| all | 2 | 8 / 12 / 12 | 2 | 5 of 12 | 11 | 20 / 40 | 1 | 0 | 1 | 0 |" in text
+    assert (
+        "| all | 2 | 8 / 12 / 12 | 2 | 6 of 12 | 1 | 30 | 11 | 20 / 40 | 1 | 0 | 0 | 1 | 0 |"
+        in text
+    )
     assert "no longer decrypting: **0**" in text
+
+
+def test_a_call_served_after_a_lost_answer_is_accepted_with_its_whole_wait() -> None:
+    """A host cut off with a request in flight: the balancer closes the session when it takes
+    the host out, the client sends the crypto call again and another host serves it. Not a
+    refusal; the wait, from the first attempt, is in the notes."""
+    phase = PhaseResult("cut-links", "app3", started=0.0, fault_at=1.0, ended=10.0)
+    lost = ("RemoteProtocolError",)
+    outcomes = [
+        Outcome(1.1, "encrypt", 200, False, sent=1.05),
+        Outcome(2.5, "sign", 200, False, sent=2.45, lost=lost, first_sent=1.0),
+        Outcome(2.6, "encrypt", 200, False, sent=2.5, lost=lost, first_sent=1.1),
+    ]
+    assert outcomes[1].latency == pytest.approx(1.5)
+    assert outcomes[0].latency == pytest.approx(0.05)
+    r = refusals(phase, outcomes)
+    assert (r.requests, r.accepted, r.window_s) == (3, 3, 0.0)
+    text = render(
+        title="t",
+        setup={},
+        phases=[phase],
+        outcomes=outcomes,
+        rounds=[],
+        revocation_errors=[],
+        integrity=Integrity(),
+        final_replay=ReplayResult(),
+    )
+    assert (
+        "- cut-links: 2 calls accepted after an attempt without answer (RemoteProtocolError x2),"
+        " answered 1.50 / 1.50 s (median / max) after their first attempt left" in text
+    )
+
+
+def _lane(answered: float, *answers: tuple[float, int, str]) -> LaneReading:
+    """A worker's probes sent at ``answered`` + each offset, each answered 20 ms later."""
+    probes = [Probe(answered + at, answered + at + 0.02, st, code) for at, st, code in answers]
+    reading = read_lane(probes, answered)
+    assert reading is not None
+    return reading
+
+
+def test_revocation_counts_any_refusal_unless_the_worker_serves_afterwards() -> None:
+    t = 100.0
+    disabled = (409, "key_disabled")
+    overloaded = (503, "overloaded")
+    # Refused at once, with key_disabled: 0 in every measure.
+    at_once = _lane(t, (0.001, *disabled))
+    # A Redis failover's window: a 503 first, key_disabled half a second later. It served
+    # nothing: refused from its first probe (0), and the 0.5 s wait for key_disabled is shown.
+    busy = _lane(t, (0.001, *overloaded), (0.2, *overloaded), (0.5, *disabled))
+    # Refused, then served: a violation, counted from its next refusal (after the served one).
+    served = _lane(t, (0.001, *overloaded), (0.1, 200, ""), (0.3, *disabled))
+    # Served by its first probe (counted as served after the answer, not after a refusal).
+    late = _lane(t, (0.001, 200, ""), (0.05, *disabled))
+    assert read_lane([], t) is None  # answered nothing: absent
+    assert (at_once.refused_after, at_once.key_disabled_after) == (0.0, 0.0)
+    assert not at_once.unrelated_first
+    assert (busy.refused_after, busy.first_refused, busy.unrelated_first) == (0.0, True, True)
+    assert busy.key_disabled_after == pytest.approx(0.5)
+    assert (busy.served, busy.served_after_refusal, busy.other_refusals) == (0, False, 2)
+    assert busy.refused_back == pytest.approx(0.021)  # its first probe's answer
+    assert (served.served_after_refusal, served.served) == (True, 1)
+    assert served.refused_after == pytest.approx(0.3)
+    assert (late.served_after_refusal, late.served, late.first_refused) == (False, 1, False)
+    assert late.refused_after == pytest.approx(0.05)
+    # Refusing for another reason until the probes stopped: its last probe stands in.
+    only_busy = _lane(t, (0.001, *overloaded), (9.9, *overloaded))
+    assert only_busy.refused_after == 0.0
+    assert only_busy.key_disabled_after == pytest.approx(9.9)
+    # Still serving at its last probe: that probe's time.
+    assert _lane(t, (0.001, 200, ""), (0.4, 200, "")).refused_after == pytest.approx(0.4)
+
+    f = figures([at_once, busy])
+    assert (f.propagation, f.first_refused, f.unrelated_first, f.lanes) == (0.0, 2, 1, 2)
+    assert f.key_disabled_after == pytest.approx(0.5)
+    assert (f.served_after, f.served_after_refusal, f.other_refusals) == (0, 0, 2)
+    g = figures([at_once, busy, served])
+    assert g.propagation == pytest.approx(0.3)
+    assert (g.served_after, g.served_after_refusal) == (1, 1)
+
+    def row(*lanes: LaneReading) -> str:
+        f = figures(list(lanes))
+        r = Round(
+            "redis-failover",
+            f.seconds,
+            f.served_after,
+            f.lanes,
+            0,
+            propagation=f.propagation,
+            probe_rtt=f.probe_rtt,
+            replicas=3,
+            confirmed=3,
+            waited=0.01,
+            other_refusals=f.other_refusals,
+            first_refused=f.first_refused,
+            unrelated_first=f.unrelated_first,
+            key_disabled_after=f.key_disabled_after,
+            served_after_refusal=f.served_after_refusal,
+        )
+        text = render(
+            title="t",
+            setup={},
+            phases=[],
+            outcomes=[],
+            rounds=[r],
+            revocation_errors=[],
+            integrity=Integrity(),
+            final_replay=ReplayResult(),
+        )
+        return next(line for line in text.splitlines() if line.startswith("| all |"))
+
+    # after the answer 0 (both refused at once); one worker first refused for another reason,
+    # and it answered key_disabled 500 ms after the answer; nothing served.
+    assert row(at_once, busy) == (
+        "| all | 1 | 21 / 21 / 21 | 0 | 2 of 2 | 1 | 500 | 20 | 10 / 10 | 0 | 0 | 0 | 2 | 0 |"
+    )
+    # The worker that served after refusing: 300 ms, one encryption, one violation.
+    assert row(at_once, busy, served) == (
+        "| all | 1 | 320 / 320 / 320 | 300 | 3 of 3 | 2 | 500 | 20 | 10 / 10 | 0 | 1 | 1 | 3 | 0 |"
+    )
 
 
 def test_the_propagation_header_is_read_for_the_report() -> None:

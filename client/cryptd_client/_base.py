@@ -51,6 +51,14 @@ RETRY_ERRORS: Final = (
 # call that changes state (not idempotent) is sent again. A closed kept-alive connection
 # (RemoteProtocolError) may have been closed after the server acted on the request.
 NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# The request left and no answer came: none in time (a host cut off from the network holds
+# it until this client's timeout), or the connection broke while waiting (a load balancer
+# closing the sessions of a host it took out). The request may have been served, so only an
+# idempotent call (crypto, reads) is sent again; a call that changes state raises the error
+# as it came, for the caller to check the key.
+ANSWER_LOST: Final = (httpx.ReadTimeout, httpx.ReadError)
+# What a transport hands back to :meth:`BaseClient._exchange` instead of raising.
+CAUGHT: Final = (*RETRY_ERRORS, *ANSWER_LOST)
 
 # One public method's work: a single endpoint call, or a generator that yields the calls
 # it needs one after another (each is sent back its result) and returns the method's result.
@@ -321,20 +329,29 @@ class BaseClient:
         raise _error_from(response)
 
     def _exchange(self, call: _Call[T]) -> Generator[Action, Outcome, T]:
-        """One endpoint call with its retries on 429 / 503 / a connection failure; each
-        attempt is signed afresh (new created time and nonce). A call that changes state is
-        retried only when it never left this process: a 429 or 503 could come from a proxy
-        or a server that acted on it, and the API has no idempotency key to make a second
-        copy harmless."""
+        """One endpoint call with its retries on 429 / 503 / a connection failure / a lost
+        answer; each attempt is signed afresh (new created time and nonce), so a second copy
+        of a crypto call is a new request, not a replay. A call that changes state is retried
+        only when it never left this process: a 429 or 503 could come from a proxy or a
+        server that acted on it, and the API has no idempotency key to make a second copy
+        harmless."""
         waited = 0.0
         attempt = 0
         while True:
+            started = time.monotonic()
             outcome = yield self._request(call)
             if isinstance(outcome, httpx.Response):
                 retried = outcome.status_code in _RETRY_STATUSES and call.idempotent
                 delay = self._delay(attempt, waited, outcome) if retried else None
                 if delay is None:
                     return self._result(call, outcome)
+            elif isinstance(outcome, ANSWER_LOST):
+                # The time spent waiting for the lost answer counts toward max_total_wait:
+                # a call whose answers keep timing out ends within it, not retries x timeout.
+                waited += time.monotonic() - started
+                delay = self._delay(attempt, waited, None) if call.idempotent else None
+                if delay is None:
+                    raise outcome
             else:
                 may_retry = call.idempotent or isinstance(outcome, NEVER_SENT)
                 delay = self._delay(attempt, waited, None) if may_retry else None

@@ -14,10 +14,10 @@ from typing import Self, TypeVar
 import httpx
 
 from cryptd_client._base import (
+    CAUGHT,
     DEFAULT_BATCH_SIZE,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
-    RETRY_ERRORS,
     Steps,
     tls_context,
 )
@@ -64,7 +64,7 @@ class CryptdClient(CryptoEndpoints, KeyEndpoints):
             if isinstance(action, httpx.Request):
                 try:
                     steps.answer(self._http.send(action))
-                except RETRY_ERRORS as exc:
+                except CAUGHT as exc:
                     steps.answer(exc)
             else:
                 time.sleep(action)
@@ -99,7 +99,7 @@ class AsyncCryptdClient(CryptoEndpoints, KeyEndpoints):
             if isinstance(action, httpx.Request):
                 try:
                     steps.answer(await self._http.send(action))
-                except RETRY_ERRORS as exc:
+                except CAUGHT as exc:
                     steps.answer(exc)
             else:
                 await asyncio.sleep(action)

@@ -16,6 +16,7 @@ client serves the rest (readiness pings).
 from __future__ import annotations
 
 import asyncio
+import math
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
 
 from service.auth.coalesce import Coalescer
+from service.auth.read_deadline import ReadDeadline
 
 SOCKET_TIMEOUT: Final = 0.25
 POOL_TIMEOUT: Final = 0.25  # wait for a free connection at most this long
@@ -327,6 +329,7 @@ class SerialConnection:
     def __init__(self, client: Redis) -> None:
         # Same URL, credentials, TLS and timeouts as the pool's connections.
         self._connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+        self._timeout = self._connection.socket_timeout or SOCKET_TIMEOUT
         self._lock = asyncio.Lock()
 
     async def pipeline(self, commands: Sequence[Command]) -> list[Any]:
@@ -346,13 +349,22 @@ class SerialConnection:
                 await self._connected()
                 await connection.send_packed_command(packed, check_health=False)
             replies: list[Any] = []
-            for _ in commands:
-                try:
-                    # Any other failure drops the connection (redis-py's default): a later
-                    # batch can never read this one's replies.
-                    replies.append(await connection.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    replies.append(exc)
+            # The batch's replies are timed here, not per reply by redis-py: a loop that
+            # stalled past the timeout must not turn a reply already received into a
+            # timeout (service/auth/read_deadline.py).
+            try:
+                async with ReadDeadline(self._timeout):
+                    for _ in commands:
+                        try:
+                            # Any other failure drops the connection (redis-py's default): a
+                            # later batch can never read this one's replies.
+                            replies.append(await connection.read_response(timeout=math.inf))
+                        except redis.exceptions.ResponseError as exc:
+                            replies.append(exc)
+            except TimeoutError:
+                raise redis.exceptions.TimeoutError(
+                    f"Timeout reading from Redis: no reply within {self._timeout} s"
+                ) from None
             return replies
 
     async def _connected(self) -> None:
