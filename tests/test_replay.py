@@ -248,6 +248,37 @@ async def test_a_reply_received_while_the_event_loop_stalled_is_not_a_timeout() 
         await close(client)
 
 
+async def test_the_pooled_client_reads_a_reply_received_while_the_event_loop_stalled() -> None:
+    """The pooled client (redis-py's own command path: pings, start-up checks) keeps the
+    guarantee of the batch connection above: a reply received during a loop stall is read,
+    a silent Redis still times out."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL, socket_timeout=0.25)
+    execute: Any = client.execute_command  # untyped in redis-py
+    loop = asyncio.get_running_loop()
+    nothing = f"cryptd-test:stall:{uuid.uuid4().hex}"
+    try:
+        assert await client.ping()
+        session = await client.client_id()
+        loop.call_later(0.02, time.sleep, 0.4)  # as above: the reply waits in the socket
+        assert await execute("BLPOP", nothing, "0.05") is None
+        # Read on the same connection: not timed out, dropped and sent again (the client's
+        # one retry would hide the lost reply, at the cost of running the command twice).
+        assert await client.client_id() == session
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await execute("BLPOP", nothing, "2")
+        assert 0.24 < time.monotonic() - started < 0.9  # one period (two if the timer ran late)
+        started = time.monotonic()
+        loop.call_later(0.02, time.sleep, 0.4)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await execute("BLPOP", nothing, "2")
+        assert 0.6 < time.monotonic() - started < 1.5  # the stall, then one more period
+        assert await client.ping()
+    finally:
+        await close(client)
+
+
 async def test_unreachable_redis_fails_fast() -> None:
     client = connect("redis://127.0.0.1:1/0")
     store = RedisReplayStore(client)
