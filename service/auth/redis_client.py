@@ -14,8 +14,9 @@ replay-store check go through a :class:`SerialConnection` fed by a
 pooled client serves the start-up checks, and its pool makes the serial connection.
 
 Every connection made here (the pool's, the Sentinels', a Cluster's nodes') times its reads
-with a :class:`~service.auth.read_deadline.ReadDeadline`, not redis-py's ``asyncio.timeout``:
-a reply received while the event loop stalled is read, not turned into a timeout.
+and its connect with a :class:`~service.auth.read_deadline.ReadDeadline`, not redis-py's
+``asyncio.timeout``: a reply received (a connection accepted) while the event loop stalled is
+used, not turned into a timeout.
 """
 
 from __future__ import annotations
@@ -285,14 +286,34 @@ def _cluster(target: RedisTarget, timeout: float) -> RedisCluster:
     return client
 
 
-class _StallTolerantReads(AbstractConnection):
+class _StallTolerant(AbstractConnection):
     """Mixed into redis-py's connection classes: a read timed by the connection's socket
-    timeout (any command's reply, the connection handshake's, a Sentinel's) is timed by a
-    :class:`~service.auth.read_deadline.ReadDeadline` instead of ``asyncio.timeout``, so a
-    reply received while the event loop stalled is read, not turned into a timeout (and, with
-    the client's one retry, the command sent again)."""
+    timeout (any command's reply, the connection handshake's, a Sentinel's), and the connect
+    itself, are timed by a :class:`~service.auth.read_deadline.ReadDeadline` instead of
+    ``asyncio.timeout``, so a reply received (a connection accepted) while the event loop
+    stalled is used, not turned into a timeout (and, with the client's one retry, the command
+    sent again)."""
 
     __slots__ = ()
+
+    async def _connect(self) -> None:
+        limit = self.socket_connect_timeout
+        if not limit:
+            await self._open()
+            return
+        # redis-py's _connect times itself with socket_connect_timeout: off while it runs
+        # (asyncio.timeout(None)), the deadline instead. disconnect() reads it too: restored
+        # whatever happens.
+        self.socket_connect_timeout = None
+        try:
+            async with ReadDeadline(limit):
+                await self._open()
+        finally:
+            self.socket_connect_timeout = limit
+
+    async def _open(self) -> None:
+        # The class this is mixed into has the connect (TCP, TLS or Unix socket).
+        await super()._connect()  # type: ignore[safe-super,no-untyped-call]
 
     async def read_response(
         self,
@@ -329,11 +350,11 @@ _STALL_TOLERANT: Final[dict[type[AbstractConnection], type[AbstractConnection]]]
 
 
 def _stall_tolerant(cls: type[_Conn]) -> type[_Conn]:
-    """``cls`` (plain, TLS, Unix socket, Sentinel-managed) with :class:`_StallTolerantReads`."""
-    if issubclass(cls, _StallTolerantReads):
+    """``cls`` (plain, TLS, Unix socket, Sentinel-managed) with :class:`_StallTolerant`."""
+    if issubclass(cls, _StallTolerant):
         return cls
     if cls not in _STALL_TOLERANT:
-        bases = (_StallTolerantReads, cls)
+        bases = (_StallTolerant, cls)
         _STALL_TOLERANT[cls] = type(f"StallTolerant{cls.__name__}", bases, {"__module__": __name__})
     return cast(type[_Conn], _STALL_TOLERANT[cls])
 
