@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis import exceptions as redis_exceptions
 from redis.crc import key_slot
 
 from service.auth.ratelimit import RedisRateLimiter
@@ -21,6 +22,7 @@ from service.auth.redis_client import (
     close,
     open_client,
     parse_url,
+    sender,
 )
 from service.auth.replay import (
     PARTITIONS,
@@ -31,7 +33,7 @@ from service.auth.replay import (
 )
 from service.errors import RateLimited
 from tests.test_auth_support import SHARED_REDIS_URL, require_redis
-from tests.test_redis_support import client, cluster_setup, command, wait_until
+from tests.test_redis_support import ClusterSetup, client, cluster_setup, command, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -160,3 +162,46 @@ async def test_a_redis_that_is_no_cluster_is_refused_at_start() -> None:
             await check_target(redis, parse_url(url))
     finally:
         await close(redis)
+
+
+async def test_a_reply_received_while_the_event_loop_stalled_is_read_on_a_cluster(
+    tmp_path: Path,
+) -> None:
+    """The hot path's per-slot commands (ClusterConnection, redis-py's cluster client) read a
+    reply that came in while the event loop stalled past the 250 ms read timeout, as on one
+    Redis (tests/test_replay.py); a node that does not answer still times out."""
+    with cluster_setup(tmp_path) as cluster:
+        redis = open_client(cluster.url)
+        connection = sender(redis)
+        loop = asyncio.get_running_loop()
+        nothing = f"cryptd-test:stall:{uuid.uuid4().hex}"
+        try:
+            assert await connection.pipeline([("PING",)]) == [True]
+            sent = _blpop_calls(cluster)
+            # The node answers after 50 ms; the loop stalls from 20 ms to 420 ms.
+            loop.call_later(0.02, time.sleep, 0.4)
+            assert await connection.pipeline([("BLPOP", nothing, "0.05")]) == [None]
+            # Read, not timed out and sent again (the client's one retry would hide the lost
+            # reply, at the cost of running the command twice).
+            assert _blpop_calls(cluster) == sent + 1
+            # A node silent for 2 s: a timeout (a value in its place), after one period (or
+            # two: a late timer, or the client's one retry), or the stall and one more.
+            started = time.monotonic()
+            [reply] = await connection.pipeline([("BLPOP", nothing, "2")])
+            assert isinstance(reply, redis_exceptions.TimeoutError)
+            assert 0.24 < time.monotonic() - started < 1.5
+            started = time.monotonic()
+            loop.call_later(0.02, time.sleep, 0.4)
+            [reply] = await connection.pipeline([("BLPOP", nothing, "2")])
+            assert isinstance(reply, redis_exceptions.TimeoutError)
+            assert 0.6 < time.monotonic() - started < 2.0
+            assert await connection.pipeline([("PING",)]) == [True]
+        finally:
+            await connection.aclose()
+            await close(redis)
+
+
+def _blpop_calls(cluster: ClusterSetup) -> int:
+    """BLPOP commands the cluster's nodes have run."""
+    stats = [client(node.port).info("commandstats") for node in cluster.nodes]
+    return sum(int(s.get("cmdstat_blpop", {}).get("calls", 0)) for s in stats)

@@ -5,11 +5,17 @@ degrades, and a master name no Sentinel knows is refused at start."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from redis import exceptions as redis_exceptions
+from redis.asyncio import Redis
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from service.auth.ratelimit import KEY_PREFIX as RATE_PREFIX
 from service.auth.ratelimit import RedisRateLimiter
@@ -206,3 +212,58 @@ def _wait_ready(http: httpx.Client) -> None:
     while http.get("/readyz").status_code != 200:
         assert time.monotonic() < deadline, http.get("/readyz").text
         time.sleep(0.2)
+
+
+async def test_a_sentinel_reply_received_while_the_event_loop_stalled_is_read(
+    tmp_path: Path,
+) -> None:
+    """Finding the primary (every new connection asks the Sentinels) reads a Sentinel's reply
+    that came in while the event loop stalled past the 250 ms read timeout, instead of counting
+    that Sentinel as unreachable; a Sentinel that does not answer still times out."""
+    with sentinel_setup(tmp_path) as ha:
+        redis = connect(ha.url)
+        pool = redis.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)
+        sentinels = pool.sentinel_manager.sentinels
+        master_address: Any = pool.get_master_address  # untyped in redis-py
+        loop = asyncio.get_running_loop()
+        primary = ("127.0.0.1", ha.primary.port)
+        try:
+            assert await master_address() == primary
+            asked = sentinels[0]  # the Sentinel that answered is asked first from now on
+            session = await asked.client_id()
+            process = next(s for s in ha.sentinels if s.port == _port(asked)).process
+            assert process is not None
+            # The Sentinel answers after 50 ms (stopped until then); the loop stalls from 20 ms
+            # to 420 ms, so the answer waits in the socket until the timer is due too.
+            process.send_signal(signal.SIGSTOP)
+            threading.Timer(0.05, process.send_signal, (signal.SIGCONT,)).start()
+            loop.call_later(0.02, time.sleep, 0.4)
+            assert await master_address() == primary
+            # Read from that Sentinel, on the same connection: not timed out, dropped, and
+            # asked of the next Sentinel.
+            assert sentinels[0] is asked
+            assert await asked.client_id() == session
+            # A Sentinel that does not answer (stopped) still times out: after one period (two
+            # if the timer ran late), or after a stall and one more period.
+            process.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(redis_exceptions.TimeoutError):
+                    await asked.ping()
+                assert 0.24 < time.monotonic() - started < 0.9
+                started = time.monotonic()
+                loop.call_later(0.02, time.sleep, 0.4)
+                with pytest.raises(redis_exceptions.TimeoutError):
+                    await asked.ping()
+                assert 0.6 < time.monotonic() - started < 1.5
+                # The other Sentinels name the primary meanwhile.
+                assert await master_address() == primary
+            finally:
+                process.send_signal(signal.SIGCONT)
+        finally:
+            await close(redis)
+
+
+def _port(sentinel: Redis) -> int:
+    return int(sentinel.connection_pool.connection_kwargs["port"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -18,6 +20,8 @@ import httpx
 import pytest
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from service.auth.authenticator import Authenticator
 from service.auth.clients import ClientsFile
@@ -246,6 +250,98 @@ async def test_a_reply_received_while_the_event_loop_stalled_is_not_a_timeout() 
     finally:
         await connection.aclose()
         await close(client)
+
+
+async def test_the_pooled_client_reads_a_reply_received_while_the_event_loop_stalled() -> None:
+    """The pooled client (redis-py's own command path: pings, start-up checks) keeps the
+    guarantee of the batch connection above: a reply received during a loop stall is read,
+    a silent Redis still times out."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL, socket_timeout=0.25)
+    execute: Any = client.execute_command  # untyped in redis-py
+    loop = asyncio.get_running_loop()
+    nothing = f"cryptd-test:stall:{uuid.uuid4().hex}"
+    try:
+        assert await client.ping()
+        session = await client.client_id()
+        loop.call_later(0.02, time.sleep, 0.4)  # as above: the reply waits in the socket
+        assert await execute("BLPOP", nothing, "0.05") is None
+        # Read on the same connection: not timed out, dropped and sent again (the client's
+        # one retry would hide the lost reply, at the cost of running the command twice).
+        assert await client.client_id() == session
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await execute("BLPOP", nothing, "2")
+        assert 0.24 < time.monotonic() - started < 0.9  # one period (two if the timer ran late)
+        started = time.monotonic()
+        loop.call_later(0.02, time.sleep, 0.4)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await execute("BLPOP", nothing, "2")
+        assert 0.6 < time.monotonic() - started < 1.5  # the stall, then one more period
+        assert await client.ping()
+    finally:
+        await close(client)
+
+
+async def test_a_connection_made_while_the_event_loop_stalled_is_not_a_timeout() -> None:
+    """The connect itself (socket_connect_timeout, 250 ms): a connection Redis accepted while
+    the loop stalled is used, not refused as "Timeout connecting"; a server that never
+    accepts still times out, at most one period more for a stall."""
+    require_redis()
+    client = connect(SHARED_REDIS_URL, socket_timeout=0.25)
+    loop = asyncio.get_running_loop()
+    try:
+        make: Any = client.connection_pool.make_connection  # untyped in redis-py
+        connection = make()
+        # The first attempt alone: the client's one retry would hide a refused connection at
+        # the cost of connecting twice.
+        connection.retry = Retry(NoBackoff(), 0)
+        # The loop stalls in the pass after the connect starts (the kernel completes it
+        # meanwhile), 400 ms: the socket is ready when the timer is due too.
+        loop.call_soon(time.sleep, 0.4)
+        await connection.connect()
+        await connection.send_command("PING")
+        assert await connection.read_response() == b"PONG"
+        await connection.disconnect()
+        with _no_accept() as port:
+            silent = connect(f"redis://127.0.0.1:{port}/0", socket_timeout=0.25)
+            make = silent.connection_pool.make_connection
+            connection = make()
+            connection.retry = Retry(NoBackoff(), 0)
+            try:
+                started = time.monotonic()
+                with pytest.raises(redis.exceptions.TimeoutError):
+                    await connection.connect()
+                assert 0.24 < time.monotonic() - started < 0.9
+                started = time.monotonic()
+                loop.call_soon(time.sleep, 0.4)
+                with pytest.raises(redis.exceptions.TimeoutError):
+                    await connection.connect()
+                assert 0.6 < time.monotonic() - started < 1.5
+            finally:
+                await close(silent)
+    finally:
+        await close(client)
+
+
+@contextlib.contextmanager
+def _no_accept() -> Iterator[int]:
+    """A port whose connects hang: a listener that never accepts, its queue already full."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = int(listener.getsockname()[1])
+        queued = []
+        try:
+            for _ in range(8):
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+                queued.append(sock)
+            yield port
+        finally:
+            for sock in queued:
+                sock.close()
 
 
 async def test_unreachable_redis_fails_fast() -> None:

@@ -9,6 +9,10 @@ before it can run, and a reply already in this process's socket buffer ends as a
 :data:`STALL_SLACK`, the loop, not Redis, held things up, and the read gets one more period,
 counted from then, to take what has arrived. Only once: a Redis that is gone still costs at
 most two periods plus the stall.
+
+Used for every Redis read cryptd makes (a serial connection's batch, and any read redis-py
+times with the socket timeout on the connections of service/auth/redis_client.py) and for
+their connects: a connection accepted while the loop stalled is used, not a timeout either.
 """
 
 from __future__ import annotations
