@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from loadtest import audit_groups
 from loadtest.audit_cost import GOAL, Report, Round, markdown, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +61,23 @@ def test_a_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert report["rounds"][0]["audited_ops"] > 0
     assert report["verify_exit"] == 0, report["verify_output"]
     assert report["records"] >= report["audited_requests"] > 0
+
+
+def test_audit_groups_reads_group_sizes_from_perf_script() -> None:
+    """``loadtest.audit_groups``: the audit file's writes (the descriptor most written with
+    records) counted as records per group, the other descriptors' writes ignored."""
+    write = "python 11 [001] 1.0: syscalls:sys_enter_write: fd: {}, buf: 0x1, count: {}"
+    sync = "python 12 [001] 1.4: syscalls:sys_enter_fdatasync: fd: 0x00000003"
+    script = "\n".join(
+        [
+            # the worker: two groups of one record, one of three, and a socket write
+            write.format("0x0000000c", "0x0000012c"),
+            write.format("0x00000018", "0x00000040"),
+            write.format("0x0000000c", "0x00000130"),
+            write.format("0x0000000c", "0x00000384"),
+            sync,
+            sync,
+        ]
+    )
+    assert audit_groups.group_sizes(script, 300) == ({1: 2, 3: 1}, 2)
+    assert audit_groups.group_sizes("", 300) == ({}, 0)
