@@ -34,7 +34,7 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
 def request_id_of(client_value: bytes) -> bytes:
     """``client_value`` (the first ``X-Request-ID``; b"" when none) if it is sane, else a fresh
     id."""
-    if _CLIENT_REQUEST_ID.match(client_value):
+    if client_value and _CLIENT_REQUEST_ID.match(client_value):  # most requests send none
         return client_value
     return f"{_id_prefix}{next(_id_counter):016x}".encode()
 

@@ -92,13 +92,27 @@ class CryptoRunner:
         return keyring, keyring.key(name)
 
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
-        keyring, key = await self.key(name)
+        # The usual request (a current snapshot that holds the key, one item run inline) is
+        # served here without awaiting key() and _dispatch(): two coroutines fewer a request.
+        keyring = self._keys.keyring
+        if self._board[0] > keyring.generation or not self._lease.held:
+            keyring, key = await self.key(name)
+        else:
+            try:
+                key = keyring.key(name)
+            except KeyNotFound:  # key() asks the store before answering 404
+                keyring, key = await self.key(name)
         operations.check_operation(key, op)
         if not items:
             return []
         if len(items) > 1 and self._batch_limits is not None:
             self._batch_limits.check(key.type.name, op, len(items))
-        results = await self._dispatch(keyring, key, op, name, items)
+        if len(items) == 1 and (
+            self._executors[key.type.name].kind == "inline" or key.type.name in self._single_inline
+        ):
+            results = operations.run_items(keyring, key, op, items, self._observer)
+        else:
+            results = await self._dispatch(keyring, key, op, name, items)
         if self._watcher is not None:
             for outcome in results:
                 if isinstance(outcome, KeyNotFound):

@@ -52,7 +52,7 @@ class AuditedSend:
             if status >= 400:  # wait for the body: the record names the error code
                 self._held = message
                 return
-            if await self._commit(status, None):
+            if await self.commit(status):
                 await self.send(message)
             return
         held = self._held
@@ -62,17 +62,11 @@ class AuditedSend:
                 return
             self._held = None
             body = b"".join(self._body)
-            if await self._commit(held["status"], _code(body)):
+            if await self.commit(held["status"], _code(body)):
                 await self.send(held)
                 await self.send({"type": "http.response.body", "body": body})
             return
         await self.send(message)
-
-    async def commit(self, status: int) -> bool:
-        """Write the record of a successful answer not yet started, which the caller then
-        sends itself (the crypto 200, with no message to pass here); False when it was
-        replaced by 503 audit_unavailable instead."""
-        return await self._commit(status, None)
 
     async def abandon(self) -> None:
         """The app failed after starting an error answer it never finished: that request
@@ -89,8 +83,12 @@ class AuditedSend:
             self.committed = True
             self.audit.end()
 
-    async def _commit(self, status: int, code: str | None) -> bool:
-        """Write the record; False when the answer was replaced by 503 audit_unavailable."""
+    async def commit(self, status: int, code: str | None = None) -> bool:
+        """Write the record; False when the answer was replaced by 503 audit_unavailable.
+        The caller of a successful answer not yet started (the crypto 200, with no message to
+        pass here) then sends it itself. (Called directly, not through a wrapper: the request
+        waits here for the audit trail's sync, and every coroutine between costs on the way
+        out and back.)"""
         self.committed = True
         audit = self.audit
         if (

@@ -88,8 +88,9 @@ class AllowRule:
         object.__setattr__(self, "_pattern", re.compile(fnmatch.translate(self.keys)))
 
     def allows(self, key: str, operation: str) -> bool:
-        return ("*" in self.operations or operation in self.operations) and bool(
-            self._pattern.match(key)
+        # "*" matches every name: no regex match on every request for the usual rule.
+        return ("*" in self.operations or operation in self.operations) and (
+            self.keys == "*" or bool(self._pattern.match(key))
         )
 
     def to_json(self) -> dict[str, Any]:

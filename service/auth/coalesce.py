@@ -92,8 +92,9 @@ class TickBatcher(Generic[ItemT, ResultT]):
     the start of the next. No task and no wait beyond that iteration: a lone request is
     answered one loop iteration later.
 
-    ``run_batch(items)`` returns one result per item, in order; if it raises, every caller in
-    the batch gets that exception.
+    ``run_batch(items)`` returns one result per item, in order; a result that is an exception
+    is raised to that item's caller alone. If ``run_batch`` raises, every caller in the batch
+    gets that exception.
     """
 
     __slots__ = ("_batch", "_loop", "_run_batch", "_thread", "batches")
@@ -134,4 +135,7 @@ class TickBatcher(Generic[ItemT, ResultT]):
             return
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():  # a caller cancelled meanwhile (disconnect, shutdown)
-                future.set_result(result)
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)

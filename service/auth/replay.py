@@ -25,7 +25,7 @@ import heapq
 import math
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Final, Protocol
 
 from redis.asyncio import Redis, RedisCluster
@@ -76,8 +76,9 @@ class ReplayHealth:
 class ReplayStore(Protocol):
     backend: str  # "memory", "host" or "redis" (readiness)
 
-    async def remember(self, keyid: str, nonce: str, created: int, ttl: int) -> bool:
-        """Record the pair for ``ttl`` seconds. True the first time, False for a replay.
+    def remember(self, keyid: str, nonce: str, created: int, ttl: int) -> Awaitable[bool]:
+        """To await: record the pair for ``ttl`` seconds. True the first time, False for a
+        replay (a coroutine, or a future the store resolves).
 
         ``created`` is the request's signature time. Raises :class:`StoreUnavailable` when
         the store cannot tell, :class:`StoreRecovering` when ``created`` precedes its epoch.

@@ -47,24 +47,8 @@ async def handle(services: Services, scope: Scope, body: bytes, op: OpName, key:
     """The whole operation on an authenticated request whose body is ``body`` (policy,
     body, runner): the JSON body of the 200 answer. Raises CryptdError for the error model.
     Request-scoped fields for the logs and the request's audit record (written by the
-    pipeline, service/api/auditing.py) go to ``scope["state"]``."""
-    result = await _execute(services, scope, body, op, key)
-    entries = result.get("batch")
-    if entries is not None:
-        state = scope["state"]
-        failures = sum("error" in entry for entry in entries)
-        if failures:
-            state["audit_outcome"] = "error" if failures == len(entries) else "partial"
-        state["key_version"] = tuple(
-            sorted({e["key_version"] for e in entries if "key_version" in e})
-        )
-        state["audit_items"] = len(entries)
-    return orjson.dumps(result)
-
-
-async def _execute(
-    services: Services, scope: Scope, body: bytes, op: OpName, key: str
-) -> dict[str, Any]:
+    pipeline, service/api/auditing.py) go to ``scope["state"]``. (One coroutine for the
+    whole operation: each one between the pipeline and the runner costs every request.)"""
     check_key_name(key)
     state = scope.setdefault("state", {})
     state["key"] = key
@@ -82,7 +66,7 @@ async def _execute(
         if isinstance(outcome, CryptdError):
             raise outcome
         state["key_version"] = outcome.get("key_version")
-        return outcome
+        return orjson.dumps(outcome)
 
     raw_items = document["batch"]
     if len(document) != 1 or not isinstance(raw_items, list):
@@ -109,9 +93,15 @@ async def _execute(
     state["audit_values"] = tuple(good)
     for index, outcome in zip(positions, await services.runner.run(op, key, good), strict=True):
         outcomes[index] = outcome
-    return {
-        "batch": [error_entry(translate(o)) if isinstance(o, Exception) else o for o in outcomes]
-    }
+    entries: list[Any] = [
+        error_entry(translate(o)) if isinstance(o, Exception) else o for o in outcomes
+    ]
+    failures = sum("error" in entry for entry in entries)
+    if failures:
+        state["audit_outcome"] = "error" if failures == len(entries) else "partial"
+    state["key_version"] = tuple(sorted({e["key_version"] for e in entries if "key_version" in e}))
+    state["audit_items"] = len(entries)
+    return orjson.dumps({"batch": entries})
 
 
 def _register(op: OpName) -> None:
