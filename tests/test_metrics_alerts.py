@@ -1,7 +1,7 @@
 """The alert rules of k8s/monitoring pass Prometheus's own checks: ``promtool check rules``
 on the PrometheusRule's groups, and ``promtool test rules`` (tests/promtool/alerts_test.yaml):
-the certificate-expiry, store-availability and audit alerts fire when, and only when, their
-series say so. promtool is Debian's ``prometheus`` package."""
+the certificate-expiry, store-availability, audit and clock-offset alerts fire when, and only
+when, their series say so. promtool is Debian's ``prometheus`` package."""
 
 from __future__ import annotations
 

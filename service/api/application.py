@@ -27,6 +27,7 @@ from service.api.auditing import audit_readiness, open_audit_trail
 from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
+from service.api.replay_readiness import ReplayReadiness
 from service.api.routes import approvals as approvals_route
 from service.api.routes import crypto, health, keys, random, transfer
 from service.api.routes import master_key as master_key_route
@@ -142,7 +143,8 @@ def create_app(
     seal: Seal | None = None,
 ) -> FastAPI:
     """The application. ``clock`` is what request signatures' ``created`` is checked against
-    (tests inject a fixed one to replay a known-answer vector); ``seal``: one already unsealed
+    (tests inject a fixed one to replay a known-answer vector; with Redis, readiness measures
+    it against Redis's clock); ``seal``: one already unsealed
     (service/api/sealed.py), else the one the settings name, unsealed here."""
     settings = settings or Settings()
     # A file audit_log is the chained audit trail, built below once the keyring is open.
@@ -215,7 +217,7 @@ def create_app(
             settings.max_batch_items, settings.pool_deadline, settings.max_batch_items_by_type
         ),
     )
-    auth = build_auth(settings)
+    auth = build_auth(settings, clock=clock)
     loop_lag = LoopLag(settings.max_loop_lag)
 
     async def pool_ready() -> tuple[bool, dict[str, Any]]:
@@ -227,18 +229,13 @@ def create_app(
             ok = ok and stats.workers_alive > 0
         return ok, detail
 
-    async def replay_ready() -> tuple[bool, dict[str, Any]]:
-        health = await auth.replay.health()
-        detail: dict[str, Any] = {"backend": auth.replay.backend}
-        if auth.redis_target is not None and auth.redis_target.mode != "standalone":
-            detail["redis"] = auth.redis_target.describe()  # Sentinels or Cluster seeds
-        if health.reason is not None:
-            detail["reason"] = health.reason
-        if health.retry_after is not None:
-            detail["retry_after"] = health.retry_after
-        if health.degraded is not None:
-            detail["degraded"] = health.degraded
-        return health.ok, detail
+    # The replay store, and on Redis this host's clock against Redis's, in one probe.
+    replay_readiness = ReplayReadiness(
+        auth,
+        max_skew=settings.signature_max_skew,
+        max_age=settings.signature_max_age,
+        on_offset=metrics.clock_offset,
+    )
 
     # Which server worker answered (each has its own connections): lets a client or a test
     # reach every worker by opening connections until each index has been seen.
@@ -273,7 +270,7 @@ def create_app(
         ("seal", seal_ready),
         ("keyring_lease", lease_ready),
         ("pool", pool_ready),
-        ("replay_store", replay_ready),
+        *replay_readiness.checks(),  # replay_store, then clock (Redis only)
         ("audit", audit_ready),
         ("server", server_ready),
         ("usage", usage_ready),
@@ -290,7 +287,7 @@ def create_app(
         # cryptd_store_up for the alert rules (k8s/monitoring): the key store as the watcher
         # last found it, the replay store by a ping.
         metrics.store_up("key", manager.store_unreachable is None)
-        metrics.store_up("replay", await auth.replay.ping())
+        metrics.store_up("replay", (await replay_readiness.health()).ok)
 
     async def run_due_work() -> None:
         # Cheap when nothing is due (a look at the snapshot); the work runs in a thread, in

@@ -25,7 +25,7 @@ import heapq
 import math
 import time
 import zlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol
 
 from redis.asyncio import Redis, RedisCluster
@@ -33,8 +33,9 @@ from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
+from service.auth.clock import ClockOffset
 from service.auth.coalesce import Coalescer
-from service.auth.redis_client import REDIS_ERRORS, RedisClient, sender
+from service.auth.redis_client import REDIS_ERRORS, Command, RedisClient, sender
 from service.auth.signature import DEFAULT_MAX_AGE, DEFAULT_MAX_SKEW
 
 KEY_PREFIX: Final = "cryptd:nonce:"
@@ -65,12 +66,14 @@ class StoreRecovering(StoreUnavailable):
 class ReplayHealth:
     """What readiness says of the store: ``ok`` (it accepts requests signed now), a
     ``reason`` when it does not, ``degraded`` when it serves without a safety margin (a
-    Sentinel-managed primary with no replica left)."""
+    Sentinel-managed primary with no replica left); ``clock``: this host's clock against the
+    store's, measured by the same probe (a Redis store that answered; None otherwise)."""
 
     ok: bool
     reason: str | None = None
     degraded: str | None = None
     retry_after: int | None = None  # seconds until the refusal window ends
+    clock: ClockOffset | None = None
 
 
 class ReplayStore(Protocol):
@@ -280,8 +283,12 @@ class RedisReplayStore:
         max_skew: int = DEFAULT_MAX_SKEW,
         max_age: int = DEFAULT_MAX_AGE,
         sentinel: bool | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: the one request signatures are checked against on this host, measured
+        against Redis's at every :meth:`establish` (service/auth/clock.py)."""
         self._redis = client
+        self._clock = clock
         self._max_age = max_age
         self._connection = sender(client)
         self._prefix = prefix
@@ -341,11 +348,15 @@ class RedisReplayStore:
         return verdicts
 
     async def _run(
-        self, batches: Sequence[Sequence[tuple[str, int, int]]], tags: Sequence[str]
+        self,
+        batches: Sequence[Sequence[tuple[str, int, int]]],
+        tags: Sequence[str],
+        extra: Sequence[Command] = (),
     ) -> list[list[Any] | Exception]:
         """One script call per tag (one call in all but on a Cluster), in one round trip;
         a call's error reply comes back in its place (a lost connection to a single Redis is
-        raised)."""
+        raised). ``extra`` commands go in the same round trip, their replies after the
+        scripts'."""
         commands = []
         for batch, tag in zip(batches, tags, strict=True):
             base = self._base(tag)
@@ -356,9 +367,10 @@ class RedisReplayStore:
                 *(v for _, ttl, created in batch for v in (ttl, created)),
             ]
             commands.append((len(keys), *keys, *args))
-        replies = await self._connection.pipeline(
-            [("EVALSHA", _SET_MANY_SHA, *command) for command in commands]
-        )
+        calls: list[Command] = [("EVALSHA", _SET_MANY_SHA, *command) for command in commands]
+        if extra:
+            calls += extra
+        replies = await self._connection.pipeline(calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:  # Redis restarted or flushed its scripts: send the script itself
             again = await self._connection.pipeline(
@@ -371,9 +383,14 @@ class RedisReplayStore:
     async def establish(self) -> ReplayHealth:
         """Set the epoch now if the Redis answering has none (at start, and at every readiness
         probe), and say whether requests signed now are accepted. Raises what the Redis client
-        raises when it cannot answer."""
+        raises when it cannot answer. Redis's ``TIME`` goes in the same round trip: the health
+        says how far this host's clock is from Redis's (service/auth/clock.py)."""
+        sent = self._clock()
+        start = time.monotonic()
+        *scripts, now = await self._run([[] for _ in self._tags], self._tags, _TIME)
+        clock = _offset(now, sent, time.monotonic() - start)
         replies = []
-        for reply in await self._run([[] for _ in self._tags], self._tags):
+        for reply in scripts:
             if isinstance(reply, Exception):
                 raise reply
             replies.append(reply)
@@ -389,8 +406,9 @@ class RedisReplayStore:
                 f"requests signed before its epoch for {remaining} s more",
                 degraded,
                 remaining,
+                clock,
             )
-        return ReplayHealth(True, None, degraded)
+        return ReplayHealth(True, None, degraded, None, clock)
 
     async def health(self) -> ReplayHealth:
         try:
@@ -403,6 +421,21 @@ class RedisReplayStore:
 
     async def aclose(self) -> None:
         await self._connection.aclose()
+
+
+_TIME: Final[tuple[Command, ...]] = (("TIME",),)
+
+
+def _offset(reply: list[Any] | Exception, sent: float, round_trip: float) -> ClockOffset | None:
+    """This host's clock against Redis's ``TIME`` reply (seconds, microseconds: bytes from the
+    serial connection, integers from a Cluster client); None if it did not answer."""
+    if isinstance(reply, Exception):
+        return None
+    try:
+        store_time = int(reply[0]) + int(reply[1]) / 1_000_000
+    except (IndexError, TypeError, ValueError):
+        return None
+    return ClockOffset.measured(sent, round_trip, store_time)
 
 
 def _describe(exc: BaseException) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +69,17 @@ class AuthParts:
             await close(self.redis)
 
 
-def build_auth(settings: Settings, clients_file: Path | None = None) -> AuthParts:
+def build_auth(
+    settings: Settings,
+    clients_file: Path | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> AuthParts:
     """Replay store and rate limiter in Redis when ``CRYPTD_REDIS_URL`` is set; else both in
     ``CRYPTD_REPLAY_DIR`` (shared by the host's workers) or, without one, in memory (one
     process). ``clients_file`` overrides
-    ``settings.clients_file`` (the development setup writes its own)."""
+    ``settings.clients_file`` (the development setup writes its own); ``clock``: the one
+    signatures are checked against, which a Redis store measures against its own."""
     path = clients_file or settings.clients_file
     if path is None:
         raise ValueError("CRYPTD_CLIENTS_FILE is not set")
@@ -79,7 +87,7 @@ def build_auth(settings: Settings, clients_file: Path | None = None) -> AuthPart
     client = open_client(settings.redis_url) if settings.redis_url else None
     return AuthParts(
         ClientsFile(path),
-        replay_store(settings, client),
+        replay_store(settings, client, clock=clock),
         _limiter(settings, client),
         client,
         target,
@@ -101,10 +109,14 @@ def check_redis_url(url: str) -> None:
     asyncio.run(check())
 
 
-def replay_store(settings: Settings, redis: RedisClient | None) -> ReplayStore:
+def replay_store(
+    settings: Settings, redis: RedisClient | None, *, clock: Callable[[], float] = time.time
+) -> ReplayStore:
     skew = settings.signature_max_skew
     if redis is not None:
-        return RedisReplayStore(redis, max_skew=skew, max_age=settings.signature_max_age)
+        return RedisReplayStore(
+            redis, max_skew=skew, max_age=settings.signature_max_age, clock=clock
+        )
     if settings.replay_dir is not None:
         return HostReplayStore(
             settings.replay_dir,

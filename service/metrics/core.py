@@ -224,6 +224,12 @@ class Metrics:
             raise ValueError(f"unknown store {store!r}")
         self._child(self._families.store_up, store).set(1 if up else 0)
 
+    def clock_offset(self, seconds: float) -> None:
+        """This host's clock minus the replay store's, as the readiness check measured it (the
+        series exists from the first measurement on: never with the host or memory store)."""
+        if self.enabled:
+            self._child(self._families.clock_offset, "replay").set(seconds)
+
     # -- exposition -------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:

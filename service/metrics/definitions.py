@@ -42,6 +42,8 @@ BUILD_INFO = "cryptd_build_info"
 # 1 while a store answers, 0 while it does not: store="key" or "replay".
 STORE_UP = "cryptd_store_up"
 STORES = frozenset({"key", "replay"})
+# This host's wall clock minus the shared replay store's (Redis TIME), seconds: store="replay".
+CLOCK_OFFSET = "cryptd_clock_offset_seconds"
 # Scrape time (process.py, certificate.py).
 PROCESS_CPU = "cryptd_process_cpu_seconds"  # exported with _total
 PROCESS_RESIDENT_MEMORY = "cryptd_process_resident_memory_bytes"
@@ -80,6 +82,7 @@ class Families:
     audit_write_failures: Counter
     key_change_propagation: Histogram
     store_up: Gauge
+    clock_offset: Gauge
 
 
 def create_families(registry: CollectorRegistry | None) -> Families:
@@ -179,6 +182,16 @@ def create_families(registry: CollectorRegistry | None) -> Families:
             " the minimum over the live workers.",
             ("store",),
             multiprocess_mode="livemin",
+            registry=registry,
+        ),
+        # livemostrecent: every worker of the host reads the same clock; the latest reading.
+        clock_offset=Gauge(
+            CLOCK_OFFSET,
+            "This host's wall clock minus the replay store's (Redis TIME), in seconds (negative:"
+            " behind), measured by the last readiness probe or store check; absent without"
+            " Redis (store: replay).",
+            ("store",),
+            multiprocess_mode="livemostrecent",
             registry=registry,
         ),
     )
