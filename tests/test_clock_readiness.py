@@ -26,8 +26,10 @@ from service.auth.replay import RedisReplayStore
 from service.auth.signature import sign_request
 from service.config import Settings
 from service.keys.admin import create_keyring_file, initialise
+from service.keys.filestore import FileKeyStore
 from service.keys.masterkey import MasterKey
 from service.keys.pgstore import CLOCK_REFERENCE, PostgresKeyStore
+from service.keys.store import KeyStore
 from tests.test_auth_support import SHARED_REDIS_URL, require_redis, standard_clients
 
 # Generous: the offset is measured over a local round trip (well under a millisecond when the
@@ -365,3 +367,29 @@ def test_ahead_of_both_is_degraded_and_by_the_max_age_not_ready() -> None:
 
 def test_no_reading_is_no_verdict() -> None:
     assert judge([], max_skew=1, max_age=300) == ClockVerdict(True)
+
+
+def test_the_postgresql_store_reads_its_server_clock_in_the_announcement(
+    pg_database: str,
+) -> None:
+    """No statement of its own: the announcement every heartbeat brings the reading."""
+    store = PostgresKeyStore(pg_database)
+    try:
+        initialise(store, MasterKey(secrets.token_bytes(32)))
+        assert store.server_clock() is None  # nothing announced yet
+        before = time.monotonic()
+        store.announce("0" * 32, 1)
+        read = store.server_clock()
+        assert read is not None
+        assert read.reference == CLOCK_REFERENCE
+        assert before <= read.sent <= time.monotonic()
+        assert 0 <= read.round_trip < TOLERANCE
+        assert abs(read.server_time - time.time()) < TOLERANCE
+    finally:
+        store.close()
+
+
+def test_the_file_store_has_no_server_clock(tmp_path: Path) -> None:
+    store: KeyStore = FileKeyStore(tmp_path / "keyring.json")
+    store.announce("0" * 32, 1)
+    assert store.server_clock() is None
