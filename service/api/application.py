@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from service import __version__
 from service.api import docs, errors
 from service.api.auditing import audit_readiness, open_audit_trail
+from service.api.clock_readiness import ClockReadiness
 from service.api.deps import ReadinessCheck, Services
 from service.api.middleware import HeadAsGet
 from service.api.pipeline import RequestPipeline
@@ -236,6 +237,15 @@ def create_app(
         max_age=settings.signature_max_age,
         on_offset=metrics.clock_offset,
     )
+    # This host's clock, on Redis: against Redis's and, with PostgreSQL, its server's too.
+    clock_readiness = ClockReadiness(
+        replay_readiness,
+        lambda: manager.store.server_clock(),
+        clock=clock,
+        max_skew=settings.signature_max_skew,
+        max_age=settings.signature_max_age,
+        on_offset=metrics.clock_offset,
+    )
 
     # Which server worker answered (each has its own connections): lets a client or a test
     # reach every worker by opening connections until each index has been seen.
@@ -270,7 +280,8 @@ def create_app(
         ("seal", seal_ready),
         ("keyring_lease", lease_ready),
         ("pool", pool_ready),
-        *replay_readiness.checks(),  # replay_store, then clock (Redis only)
+        *replay_readiness.checks(),  # replay_store,
+        *clock_readiness.checks(),  # then clock, which judges its probe (Redis only)
         ("audit", audit_ready),
         ("server", server_ready),
         ("usage", usage_ready),
@@ -288,6 +299,7 @@ def create_app(
         # last found it, the replay store by a ping.
         metrics.store_up("key", manager.store_unreachable is None)
         metrics.store_up("replay", (await replay_readiness.health()).ok)
+        clock_readiness.keystore()  # cryptd_clock_offset_seconds{store="keystore"}
 
     async def run_due_work() -> None:
         # Cheap when nothing is due (a look at the snapshot); the work runs in a thread, in

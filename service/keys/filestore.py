@@ -68,6 +68,9 @@ class FileKeyStore:
     def announce(self, replica: str, generation: int) -> None:
         pass  # one replica per host: the board says it all
 
+    def server_clock(self) -> None:
+        return None  # a file has no clock of its own to compare this host's with
+
     def remove_leftovers(self) -> int:
         # Every writer holds the lock from creating its temporary file to the rename, so with
         # the lock held here, any file of that name pattern belongs to a writer that died.

@@ -43,6 +43,7 @@ import base64
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, Collection, Hashable, Iterator
 from typing import Any
 
@@ -58,6 +59,7 @@ from service.keys.store import (
     IntegrityError,
     Notice,
     NotInitialised,
+    ServerClock,
     StoreUnavailable,
 )
 from service.pgconn import PostgresStore, Refusal, reason
@@ -71,6 +73,7 @@ REPLICAS_CHANNEL = "cryptd_replicas"
 _REPLICA_ID = re.compile(r"[0-9a-f]{32}")
 # A stored key name (service/keys/keyring.py: a user name, or an internal one)
 _KEY_NAME = re.compile(r"(?:cryptd:)?[A-Za-z0-9_.-]{1,128}")
+CLOCK_REFERENCE = "PostgreSQL clock_timestamp()"  # the server's clock, read by announcements
 LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hashed into the key
 
 LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
@@ -145,6 +148,7 @@ class PostgresKeyStore(PostgresStore):
         # Key and version rows this store has read (for tests and loadtest/refresh_cost.py:
         # what a notification costs a reader).
         self.rows_read = 0
+        self._server_clock: ServerClock | None = None  # the last announcement's reading
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = super()._connect()
@@ -249,8 +253,20 @@ class PostgresKeyStore(PostgresStore):
         return self._listen()
 
     def announce(self, replica: str, generation: int) -> None:
+        """The announcement also reads the server's clock (``clock_timestamp()``, in the same
+        statement): a reference for this host's clock every heartbeat, at no extra round trip."""
         with self._session() as conn:
-            conn.execute("SELECT pg_notify(%s, %s)", (REPLICAS_CHANNEL, f"{replica} {generation}"))
+            sent = time.monotonic()
+            row = conn.execute(
+                "SELECT pg_notify(%s, %s), extract(epoch FROM clock_timestamp())::float8",
+                (REPLICAS_CHANNEL, f"{replica} {generation}"),
+            ).fetchone()
+            round_trip = time.monotonic() - sent
+        if row is not None:
+            self._server_clock = ServerClock(CLOCK_REFERENCE, float(row[1]), sent, round_trip)
+
+    def server_clock(self) -> ServerClock | None:
+        return self._server_clock
 
     def remove_leftovers(self) -> int:
         return 0  # a transaction that dies is rolled back: nothing is left behind

@@ -65,6 +65,19 @@ class Announced:
 Notice = Changed | Announced
 
 
+@dataclass(frozen=True, slots=True)
+class ServerClock:
+    """The store server's wall clock, read in a statement this host runs anyway (the lease's
+    announcement): ``server_time`` (epoch seconds) read somewhere between ``sent`` (this host's
+    monotonic clock when the statement left) and ``sent + round_trip`` (monotonic seconds until
+    its answer was read). ``reference`` names what was read, for readiness and its operator."""
+
+    reference: str
+    server_time: float
+    sent: float
+    round_trip: float
+
+
 class Transaction(Protocol):
     def read(self) -> RawDocument | None:
         """The current document, read under the transaction's exclusive lock (None: empty)."""
@@ -110,6 +123,11 @@ class KeyStore(Protocol):
     def announce(self, replica: str, generation: int) -> None:
         """Tell every replica listening that ``replica`` enforces ``generation`` (nothing
         where the store has no channel)."""
+
+    def server_clock(self) -> ServerClock | None:
+        """The server's clock as the last announcement read it: a second reference for this
+        host's clock, independent of the replay store's (service/auth/clock.py). None: the
+        store has no server of its own (the keyring file), or none was read yet."""
 
     def remove_leftovers(self) -> int:
         """Remove what a killed writer left behind (the file store's temporary copies of the

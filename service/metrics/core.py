@@ -224,11 +224,14 @@ class Metrics:
             raise ValueError(f"unknown store {store!r}")
         self._child(self._families.store_up, store).set(1 if up else 0)
 
-    def clock_offset(self, seconds: float) -> None:
-        """This host's clock minus the replay store's, as the readiness check measured it (the
-        series exists from the first measurement on: never with the host or memory store)."""
+    def clock_offset(self, store: str, seconds: float) -> None:
+        """This host's clock minus a reference's: ``replay`` (Redis TIME) or ``keystore`` (the
+        PostgreSQL key store's server), as readiness measured it (a series exists from its first
+        measurement on: never with the host or memory replay store, nor the file key store)."""
+        if store not in definitions.CLOCK_REFERENCES:
+            raise ValueError(f"unknown clock reference {store!r}")
         if self.enabled:
-            self._child(self._families.clock_offset, "replay").set(seconds)
+            self._child(self._families.clock_offset, store).set(seconds)
 
     # -- exposition -------------------------------------------------------------------------
 

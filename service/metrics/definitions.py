@@ -42,8 +42,10 @@ BUILD_INFO = "cryptd_build_info"
 # 1 while a store answers, 0 while it does not: store="key" or "replay".
 STORE_UP = "cryptd_store_up"
 STORES = frozenset({"key", "replay"})
-# This host's wall clock minus the shared replay store's (Redis TIME), seconds: store="replay".
+# This host's wall clock minus a reference's, seconds: store="replay" (Redis TIME) or
+# "keystore" (the PostgreSQL key store's server clock).
 CLOCK_OFFSET = "cryptd_clock_offset_seconds"
+CLOCK_REFERENCES = frozenset({"replay", "keystore"})
 # Scrape time (process.py, certificate.py).
 PROCESS_CPU = "cryptd_process_cpu_seconds"  # exported with _total
 PROCESS_RESIDENT_MEMORY = "cryptd_process_resident_memory_bytes"
@@ -187,9 +189,9 @@ def create_families(registry: CollectorRegistry | None) -> Families:
         # livemostrecent: every worker of the host reads the same clock; the latest reading.
         clock_offset=Gauge(
             CLOCK_OFFSET,
-            "This host's wall clock minus the replay store's (Redis TIME), in seconds (negative:"
-            " behind), measured by the last readiness probe or store check; absent without"
-            " Redis (store: replay).",
+            "This host's wall clock minus a reference's, in seconds (negative: behind), as last"
+            " measured: store=replay, Redis TIME (absent without Redis); store=keystore, the"
+            " PostgreSQL key store's server clock (absent with the file key store).",
             ("store",),
             multiprocess_mode="livemostrecent",
             registry=registry,
