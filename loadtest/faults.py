@@ -220,9 +220,16 @@ def bed_for(args: argparse.Namespace) -> Iterator[Bed]:
     try:
         up(bed)
         yield bed
-    finally:
-        if not args.keep:
-            down(bed.run_dir, bed.prefix)
+    except BaseException:
+        # A campaign that fails leaves its bed up: the hosts' logs say why, and down removes them.
+        print(
+            f"the bed is left up for its logs ({bed.run_dir}); "
+            "python -m loadtest.testbed down removes it",
+            file=sys.stderr,
+        )
+        raise
+    if not args.keep:
+        down(bed.run_dir, bed.prefix)
 
 
 def campaign(
