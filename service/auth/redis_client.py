@@ -16,7 +16,7 @@ pooled client serves the start-up checks, and its pool makes the serial connecti
 Every connection made here (the pool's, the Sentinels', a Cluster's nodes') times its reads
 and its connect with a :class:`~service.auth.read_deadline.ReadDeadline`, not redis-py's
 ``asyncio.timeout``: a reply received (a connection accepted) while the event loop stalled is
-used, not turned into a timeout.
+used, not turned into a timeout (the connection classes: service/auth/redis_stalls.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import math
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, Final, Literal
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -39,6 +38,7 @@ from redis.exceptions import RedisClusterException
 
 from service.auth.coalesce import Coalescer
 from service.auth.read_deadline import ReadDeadline
+from service.auth.redis_stalls import stall_tolerant, tolerate_stalls
 
 SOCKET_TIMEOUT: Final = 0.25
 POOL_TIMEOUT: Final = 0.25  # wait for a free connection at most this long
@@ -217,7 +217,7 @@ def connect(
         retry_on_timeout=False,
         health_check_interval=0,
     )
-    _tolerate_stalls(pool)
+    tolerate_stalls(pool)
     return Redis(connection_pool=pool)
 
 
@@ -256,9 +256,9 @@ def _sentinel_master(target: RedisTarget, timeout: float, max_connections: int) 
         max_connections=max_connections,
         **_tls(target),
     )
-    _tolerate_stalls(client.connection_pool)
+    tolerate_stalls(client.connection_pool)
     for sentinel in sentinels.sentinels:  # asked at every new connection: where is the master?
-        _tolerate_stalls(sentinel.connection_pool)
+        tolerate_stalls(sentinel.connection_pool)
     return client
 
 
@@ -278,90 +278,12 @@ def _cluster(target: RedisTarget, timeout: float) -> RedisCluster:
     # redis-py takes no connection class for a Cluster: the seed nodes have theirs, and the
     # nodes it finds later get theirs from the layout's connection arguments.
     nodes = client.nodes_manager
-    nodes.connection_kwargs["connection_class"] = _stall_tolerant(
+    nodes.connection_kwargs["connection_class"] = stall_tolerant(
         nodes.connection_kwargs["connection_class"]
     )
     for node in nodes.startup_nodes.values():
-        node.connection_class = _stall_tolerant(node.connection_class)
+        node.connection_class = stall_tolerant(node.connection_class)
     return client
-
-
-class _StallTolerant(AbstractConnection):
-    """Mixed into redis-py's connection classes: a read timed by the connection's socket
-    timeout (any command's reply, the connection handshake's, a Sentinel's), and the connect
-    itself, are timed by a :class:`~service.auth.read_deadline.ReadDeadline` instead of
-    ``asyncio.timeout``, so a reply received (a connection accepted) while the event loop
-    stalled is used, not turned into a timeout (and, with the client's one retry, the command
-    sent again)."""
-
-    __slots__ = ()
-
-    async def _connect(self) -> None:
-        limit = self.socket_connect_timeout
-        if not limit:
-            await self._open()
-            return
-        # redis-py's _connect times itself with socket_connect_timeout: off while it runs
-        # (asyncio.timeout(None)), the deadline instead. disconnect() reads it too: restored
-        # whatever happens.
-        self.socket_connect_timeout = None
-        try:
-            async with ReadDeadline(limit):
-                await self._open()
-        finally:
-            self.socket_connect_timeout = limit
-
-    async def _open(self) -> None:
-        # The class this is mixed into has the connect (TCP, TLS or Unix socket).
-        await super()._connect()  # type: ignore[safe-super,no-untyped-call]
-
-    async def read_response(
-        self,
-        disable_decoding: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109 (redis-py's signature)
-        *,
-        disconnect_on_error: bool = True,
-        push_request: bool | None = False,
-    ) -> Any:
-        limit = self.socket_timeout
-        if timeout is not None or not limit:  # the caller times the read itself
-            return await super().read_response(
-                disable_decoding,
-                timeout,
-                disconnect_on_error=disconnect_on_error,
-                push_request=push_request,
-            )
-        try:
-            async with ReadDeadline(limit):
-                return await super().read_response(
-                    disable_decoding,
-                    math.inf,  # no timeout of redis-py's own
-                    disconnect_on_error=disconnect_on_error,
-                    push_request=push_request,
-                )
-        except TimeoutError:  # the deadline's (redis-py's own error is a RedisError)
-            raise redis.exceptions.TimeoutError(
-                f"Timeout reading from {self._host_error()}"
-            ) from None
-
-
-_Conn = TypeVar("_Conn", bound=AbstractConnection)
-_STALL_TOLERANT: Final[dict[type[AbstractConnection], type[AbstractConnection]]] = {}
-
-
-def _stall_tolerant(cls: type[_Conn]) -> type[_Conn]:
-    """``cls`` (plain, TLS, Unix socket, Sentinel-managed) with :class:`_StallTolerant`."""
-    if issubclass(cls, _StallTolerant):
-        return cls
-    if cls not in _STALL_TOLERANT:
-        bases = (_StallTolerant, cls)
-        _STALL_TOLERANT[cls] = type(f"StallTolerant{cls.__name__}", bases, {"__module__": __name__})
-    return cast(type[_Conn], _STALL_TOLERANT[cls])
-
-
-def _tolerate_stalls(pool: ConnectionPool) -> None:
-    """Make the pool's future connections :func:`_stall_tolerant` (it connects lazily)."""
-    pool.connection_class = _stall_tolerant(pool.connection_class)
 
 
 async def check_target(client: RedisClient, target: RedisTarget) -> None:
