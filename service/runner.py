@@ -79,7 +79,7 @@ class CryptoRunner:
         board (a change committed by a sibling) is never used: the store is read first, as it
         is when this worker's lease ran out (a store shared by replicas it lost touch with)."""
         keyring = self._keys.keyring
-        if self._board[0] > keyring.generation or not self._lease.held:
+        if self._stale(keyring):
             keyring = await self.current()
         try:
             return keyring, keyring.key(name)
@@ -91,11 +91,23 @@ class CryptoRunner:
         keyring = self._keys.caught_up(enforced)
         return keyring, keyring.key(name)
 
+    def _stale(self, keyring: Keyring) -> bool:
+        """Whether ``keyring`` must not be served before the store is read: older than this
+        host's board (a sibling's commit), or this worker's lease ran out."""
+        return self._board[0] > keyring.generation or not self._lease.held
+
+    def _inline(self, key: Key, items: Sequence[Item]) -> bool:
+        """Whether these items run right here on the event loop (one item of a key type run
+        inline, or one whose single items are)."""
+        return len(items) == 1 and (
+            self._executors[key.type.name].kind == "inline" or key.type.name in self._single_inline
+        )
+
     async def run(self, op: OpName, name: str, items: Sequence[Item]) -> list[Outcome]:
         # The usual request (a current snapshot that holds the key, one item run inline) is
         # served here without awaiting key() and _dispatch(): two coroutines fewer a request.
         keyring = self._keys.keyring
-        if self._board[0] > keyring.generation or not self._lease.held:
+        if self._stale(keyring):
             keyring, key = await self.key(name)
         else:
             try:
@@ -107,9 +119,7 @@ class CryptoRunner:
             return []
         if len(items) > 1 and self._batch_limits is not None:
             self._batch_limits.check(key.type.name, op, len(items))
-        if len(items) == 1 and (
-            self._executors[key.type.name].kind == "inline" or key.type.name in self._single_inline
-        ):
+        if self._inline(key, items):
             results = operations.run_items(keyring, key, op, items, self._observer)
         else:
             results = await self._dispatch(keyring, key, op, name, items)
@@ -145,7 +155,7 @@ class CryptoRunner:
     ) -> list[Outcome]:
         executor = self._executors[key.type.name]
         results: list[Outcome]
-        if len(items) == 1 and (executor.kind == "inline" or key.type.name in self._single_inline):
+        if self._inline(key, items):
             return operations.run_items(keyring, key, op, items, self._observer)
         if executor.kind == "sliced":
             # One item per call: the slice is measured in items, whatever the batch.
