@@ -1,9 +1,10 @@
 """PostgreSQL connections for the stores that live in the database (keys, usage counters).
 
 The URL's libpq parameters plus :data:`DEFAULTS`, a description safe for logs (no password),
-an error's first line (no query text, no parameters), and :class:`PostgresStore`: the one
-connection a store's threads take turns on, opened on first use and again after it broke,
-the driver's errors mapped to the store's own.
+an error's first line (no query text, no parameters), and :class:`PostgresStore`: the
+connection a store's threads take turns on (and any other a store keeps for work that must
+not queue behind it, :class:`Line`), opened on first use and again after it broke, the
+driver's errors mapped to the store's own.
 """
 
 from __future__ import annotations
@@ -65,20 +66,40 @@ def reason(exc: psycopg.Error) -> str:
 Refusal = tuple[Exception, bool]
 
 
+class Line:
+    """One connection and the lock its users take turns on: one statement sequence at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+
+
 class PostgresStore:
-    """Base of a store in the database: one autocommit connection its threads take turns on,
-    opened on first use and again after it broke, and the store's reading of driver errors
-    (:meth:`_refusal`)."""
+    """Base of a store in the database: one autocommit connection its threads take turns on
+    (a subclass may keep more, :meth:`_line`), opened on first use and again after it broke,
+    and the store's reading of driver errors (:meth:`_refusal`)."""
 
     def __init__(self, url: str) -> None:
         self._conninfo = connection_info(url)
         self._description = describe(self._conninfo)
-        self._lock = threading.Lock()  # one statement sequence on the connection at a time
-        self._conn: psycopg.Connection[Any] | None = None
+        self._lines = [Line()]
 
     @property
     def description(self) -> str:
         return self._description
+
+    def _line(self) -> Line:
+        """Another connection of the store's own, for work that must never wait for what the
+        shared one is doing."""
+        line = Line()
+        self._lines.append(line)
+        return line
 
     def _connect(self) -> psycopg.Connection[Any]:
         """A new connection (the shared one, or one of the caller's own)."""
@@ -88,26 +109,22 @@ class PostgresStore:
         return exc, True
 
     @contextlib.contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[Any]]:
-        """The shared connection, (re)opened as needed; a driver error raised meanwhile
-        becomes the store's own (:meth:`_refusal`)."""
-        with self._lock:
+    def _session(self, line: Line | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """The shared connection (or ``line``'s), (re)opened as needed; a driver error raised
+        meanwhile becomes the store's own (:meth:`_refusal`)."""
+        line = line or self._lines[0]
+        with line.lock:
             try:
-                if self._conn is None or self._conn.closed or self._conn.broken:
-                    self._conn = self._connect()
-                yield self._conn
+                if line.conn is None or line.conn.closed or line.conn.broken:
+                    line.conn = self._connect()
+                yield line.conn
             except psycopg.Error as exc:
                 error, drop = self._refusal(exc)
                 if drop:
-                    self._drop()
+                    line.drop()
                 raise error from None
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
-
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        for line in self._lines:
+            with line.lock:
+                line.drop()

@@ -78,6 +78,19 @@ LOCK_CLASS = 0x63727970  # advisory lock namespace ("cryp"); the purpose is hash
 
 LOCK_TIMEOUT = "30s"  # a writer waits this long for the changes queued before it
 STATEMENT_TIMEOUT = "60s"
+# A writer holds the header row's lock from its first statement to its commit. Should its
+# process freeze or its host drop off the network between two statements, the server would
+# keep that session, and the lock every replica's writers queue for, until its TCP keepalive
+# gave up (two hours by default): it ends the session after this long idle instead. A live
+# writer spends milliseconds between statements (a master-key rotation rewrapping 10,000
+# versions, well under a second).
+IDLE_IN_TRANSACTION_TIMEOUT = "10s"
+# The three for the writer's transaction only (``true``: local), in one round trip.
+_WRITER_TIMEOUTS = (
+    f"SELECT set_config('lock_timeout', '{LOCK_TIMEOUT}', true),"
+    f" set_config('statement_timeout', '{STATEMENT_TIMEOUT}', true),"
+    f" set_config('idle_in_transaction_session_timeout', '{IDLE_IN_TRANSACTION_TIMEOUT}', true)"
+)
 # A notification's payload must stay under 8000 bytes; a change naming more than this many
 # bytes of keys (a master-key rotation, a restore) says "everything" (the generation alone).
 NOTICE_NAMES_BYTES = 7000
@@ -149,6 +162,10 @@ class PostgresKeyStore(PostgresStore):
         # what a notification costs a reader).
         self.rows_read = 0
         self._server_clock: ServerClock | None = None  # the last announcement's reading
+        # Announcements keep this host's lease (service/keys/lease.py): on a connection of
+        # their own, they never wait for a key change queued behind another replica's (up to
+        # LOCK_TIMEOUT, six leases), so a change waiting its turn never stops keys being served.
+        self._announcing = self._line()
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = super()._connect()
@@ -214,8 +231,7 @@ class PostgresKeyStore(PostgresStore):
     @contextlib.contextmanager
     def transaction(self) -> Iterator[_PgTransaction]:
         with self._session() as conn, conn.transaction():
-            conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-            conn.execute(f"SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}'")
+            conn.execute(_WRITER_TIMEOUTS)
             locked = conn.execute("SELECT 1 FROM cryptd_keyring WHERE id = 1 FOR UPDATE")
             if locked.fetchone() is None:
                 # An empty store being initialised: one initialiser at a time.
@@ -255,7 +271,7 @@ class PostgresKeyStore(PostgresStore):
     def announce(self, replica: str, generation: int) -> None:
         """The announcement also reads the server's clock (``clock_timestamp()``, in the same
         statement): a reference for this host's clock every heartbeat, at no extra round trip."""
-        with self._session() as conn:
+        with self._session(self._announcing) as conn:
             sent = time.monotonic()
             row = conn.execute(
                 "SELECT pg_notify(%s, %s), extract(epoch FROM clock_timestamp())::float8",
