@@ -20,6 +20,7 @@ import httpx
 import psycopg
 import pytest
 
+from service.keys.lease import LEASE
 from tests.conftest import Server, free_port
 from tests.test_keystore_support import (
     PG_BIN,
@@ -208,3 +209,31 @@ def test_promoted_standby_keeps_every_acknowledged_change(
         assert 404 not in outcomes, outcomes
         assert set(outcomes) <= {200, 503}, outcomes
         assert retry_after_missing == 0
+
+
+def test_losing_the_synchronous_standby_never_stops_keys_being_served(
+    tmp_path: Path, redis_url: str, primary_and_standby: tuple[PrivatePostgres, Standby]
+) -> None:
+    """With the standby gone, a commit waits for it (that is what synchronous replication
+    promises), but announcements, which keep every worker's lease, are no key change: they
+    must not wait for it, or losing one machine stops every replica serving."""
+    primary, standby = primary_and_standby
+    with replicas(tmp_path, primary.url, env={"CRYPTD_REDIS_URL": redis_url}) as (a, b):
+        for server in (a, b):
+            assert _encrypt(server, "aes256-gcm").status_code == 200
+        standby.kill()  # the standby's host is lost
+        outcomes: Counter[int] = Counter()
+        until = time.monotonic() + LEASE + 3
+        while time.monotonic() < until:
+            for server in (a, b):
+                outcomes[_encrypt(server, "aes256-gcm").status_code] += 1
+            time.sleep(0.02)
+        assert set(outcomes) == {200}, outcomes
+        ready = a.request("GET", "/readyz")
+        assert ready.status_code == 200, ready.text
+        # Nor does the usage counters' last flush hold the shutdown (killed after 30 s).
+        stopping = time.monotonic()
+        a.process.terminate()
+        assert a.process.wait(timeout=60) == 0
+        assert time.monotonic() - stopping < 10
+        assert "did not stop in time" not in a.log()

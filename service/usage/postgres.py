@@ -38,6 +38,15 @@ SELECT = (
 class PostgresUsageStore(PostgresStore):
     backend = "postgresql"
 
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = super()._connect()
+        # Counts are informational: a flush must not wait for a synchronous standby. With
+        # the standby lost it would wait until one came back, holding the flusher and then
+        # the worker's shutdown (killed after its grace period, the last counts lost); the
+        # price is that a failover may lose the last seconds of counts.
+        conn.execute("SET synchronous_commit = local")
+        return conn
+
     def _refusal(self, exc: psycopg.Error) -> Refusal:
         if isinstance(exc, pg_errors.UndefinedTable):
             return UsageUnavailable(
