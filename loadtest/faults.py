@@ -48,7 +48,7 @@ from loadtest.testbed_faults import (
     step_clock,
 )
 from loadtest.testbed_net import BedError
-from loadtest.testbed_services import host_ready, lb_servers, redis_client, wait_for
+from loadtest.testbed_services import host_ready, lb_errors, lb_servers, redis_client, wait_for
 from loadtest.testbed_topology import (
     APPS,
     DEFAULT_PREFIX,
@@ -304,6 +304,16 @@ def campaign(
         integrity=integrity,
         final_replay=final,
     )
+    bad_5xx = [o for o in load.recorder.outcomes if o.status >= 500 and o.status != 503]
+    if bad_5xx:
+        lines = lb_errors(bed, {o.status for o in bad_5xx})
+        text += (
+            "\n## 5xx other than 503: what the balancer logged\n\n"
+            f"{len(bad_5xx)} answers; HAProxy's log line of each session it answered so "
+            "(httplog: the server, the timers, the status, the termination state):\n\n"
+            + "".join(f"    {line}\n" for line in lines[:20])
+            + ("" if lines else "    (none logged)\n")
+        )
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text)
     log(f"report: {report}")
@@ -312,6 +322,7 @@ def campaign(
         "tokens_failed": integrity.tokens_failed,
         "keys_lost": len(integrity.keys_lost),
         "revocation_served_after": sum(r.served_after for r in revocation.rounds),
+        "5xx_not_503": len(bad_5xx),
         "accepted": len(load.recorder.accepted),
     }
 

@@ -13,11 +13,13 @@ import base64
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Container
 from glob import glob
 from pathlib import Path
 from typing import Any
@@ -403,8 +405,13 @@ def haproxy_start(bed: Bed) -> None:
         "global\n"
         f"  stats socket {directory}/admin.sock mode 600 level admin\n"
         "  maxconn 4000\n"
+        "  log stdout format raw local0\n"
         "defaults\n"
         "  mode http\n"
+        # Sessions that ended abnormally (an error status, a connection cut), with the state
+        # they ended in (SH: the server closed, sD: server-side timeout, ...): a 5xx the
+        # balancer answered is explained in haproxy.log (lb_errors).
+        "  log global\n  option httplog\n  option dontlog-normal\n"
         "  timeout connect 1s\n  timeout client 30s\n  timeout server 30s\n"
         # A request that never reached a host goes to another (it was never accepted: no replay).
         "  retries 2\n  option redispatch\n  retry-on conn-failure\n"
@@ -436,6 +443,20 @@ def haproxy_start(bed: Bed) -> None:
         return sum(1 for s in lb_servers(bed).values() if s == "UP") == len(APPS)
 
     wait_for("haproxy with every host up", all_up, log=directory / "haproxy.log")
+
+
+def lb_errors(bed: Bed, statuses: Container[int]) -> list[str]:
+    """HAProxy's log lines of the sessions answered with one of ``statuses`` (httplog)."""
+    path = bed.directory("lb") / "haproxy.log"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        # httplog: ... frontend backend/server Tq/Tw/Tc/Tr/Ta status bytes ...
+        match = re.search(r" \S+/\S+ -?\d+/-?\d+/-?\d+/-?\d+/-?\d+ (\d{3}) ", line)
+        if match and int(match.group(1)) in statuses:
+            found.append(line)
+    return found
 
 
 def lb_servers(bed: Bed) -> dict[str, str]:

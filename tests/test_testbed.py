@@ -24,7 +24,7 @@ from loadtest.faults_revocation_lanes import LaneReading, Probe, figures, read_l
 from loadtest.testbed import down, up
 from loadtest.testbed_faults import failover_timeline
 from loadtest.testbed_net import BedError, mounts_under, namespaces
-from loadtest.testbed_services import check_programs, wait_for
+from loadtest.testbed_services import check_programs, lb_errors, wait_for
 from loadtest.testbed_topology import Bed
 
 
@@ -336,6 +336,26 @@ def _isolated_bed(tmp_path: Path) -> Bed:
 
 
 @pytest.mark.slow
+def test_the_balancers_log_explains_a_5xx_it_answered(tmp_path: Path) -> None:
+    """HAProxy's httplog lines (raw format, abnormal sessions only) picked by status."""
+    bed = Bed(tmp_path, subnet="10.9.8")
+    bed.directory("lb").mkdir()
+    shut = (
+        "10.9.8.2:40112 [05/Dec/2026:23:40:01.120] cryptd hosts/app2 0/0/0/-1/812 502 209 - - "
+        'SH-- 9/9/3/1/0 0/0 "POST /v1/encrypt/aes256-gcm HTTP/1.1"'
+    )
+    nobody = (
+        "10.9.8.2:40114 [05/Dec/2026:23:40:01.300] cryptd hosts/<NOSRV> 0/-1/-1/-1/0 503 217 "
+        '- - SC-- 9/9/0/0/0 0/0 "POST /v1/sign/ed25519 HTTP/1.1"'
+    )
+    (bed.directory("lb") / "haproxy.log").write_text(
+        f"[NOTICE]   (1) : haproxy version is 2.6.12\n{shut}\n{nobody}\n"
+    )
+    assert lb_errors(bed, {502}) == [shut]
+    assert lb_errors(bed, {502, 503}) == [shut, nobody]
+    assert lb_errors(bed, {504}) == []
+
+
 def test_down_cleans_up_after_a_crash(tmp_path: Path) -> None:
     """No state file, a namespace with a live process, a veth, a mount: down removes all,
     and a second down finds nothing."""
