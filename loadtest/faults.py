@@ -359,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     timing = Timing(args.pre, args.post, args.hold, args.cut, args.recovery_timeout)
     with bed_for(args) as bed:
         goals = campaign(bed, faults, timing, args.threads, report)
+        failed = {k: v for k, v in goals.items() if k != "accepted" and v}
+        if failed and not args.keep:
+            args.keep = True  # a missed goal leaves the bed up for its logs, as a crash does
+            print(f"goals missed; the bed is left up for its logs ({bed.run_dir})", file=sys.stderr)
     print(goals)
-    failed = {k: v for k, v in goals.items() if k != "accepted" and v}
     return 1 if failed else 0
 
 
