@@ -216,7 +216,9 @@ def test_losing_the_synchronous_standby_never_stops_keys_being_served(
 ) -> None:
     """With the standby gone, a commit waits for it (that is what synchronous replication
     promises), but announcements, which keep every worker's lease, are no key change: they
-    must not wait for it, or losing one machine stops every replica serving."""
+    must not wait for it, or losing one machine stops every replica serving. A change whose
+    wait is cancelled (the statement timeout, 60 s; here at once, the same interrupt) is
+    committed on the primary alone: never acknowledged."""
     primary, standby = primary_and_standby
     with replicas(tmp_path, primary.url, env={"CRYPTD_REDIS_URL": redis_url}) as (a, b):
         for server in (a, b):
@@ -231,6 +233,34 @@ def test_losing_the_synchronous_standby_never_stops_keys_being_served(
         assert set(outcomes) == {200}, outcomes
         ready = a.request("GET", "/readyz")
         assert ready.status_code == 200, ready.text
+        answer: list[httpx.Response] = []
+        change = threading.Thread(
+            target=lambda: answer.append(
+                a.request("PATCH", "/v1/keys/sm4-gcm", {"state": "disabled"})
+            )
+        )
+        change.start()
+        with psycopg.connect(primary.url, autocommit=True) as conn:
+
+            def waiting_for_standby() -> list[tuple[int]]:
+                return conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+                ).fetchall()
+
+            wait_for(lambda: bool(waiting_for_standby()), what="a commit waiting for the standby")
+            time.sleep(0.5)
+            assert not answer
+            for (pid,) in waiting_for_standby():
+                conn.execute("SELECT pg_cancel_backend(%s)", (pid,))
+        change.join(timeout=20)
+        assert answer, "the change was never answered"
+        _assert_unavailable(answer[0])
+        assert "not acknowledged" in answer[0].json()["error"]["message"]
+        # Committed on the primary all the same: in force everywhere, as the answer said.
+        wait_for(
+            lambda: _encrypt(b, "sm4-gcm").json().get("error", {}).get("code") == "key_disabled",
+            what="the unconfirmed change in force",
+        )
         # Nor does the usage counters' last flush hold the shutdown (killed after 30 s).
         stopping = time.monotonic()
         a.process.terminate()

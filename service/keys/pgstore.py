@@ -56,6 +56,7 @@ from service.keys.document import RawDocument
 from service.keys.store import (
     Announced,
     Changed,
+    CommitUnconfirmed,
     IntegrityError,
     Notice,
     NotInitialised,
@@ -230,13 +231,35 @@ class PostgresKeyStore(PostgresStore):
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[_PgTransaction]:
-        with self._session() as conn, conn.transaction():
-            conn.execute(_WRITER_TIMEOUTS)
-            locked = conn.execute("SELECT 1 FROM cryptd_keyring WHERE id = 1 FOR UPDATE")
-            if locked.fetchone() is None:
-                # An empty store being initialised: one initialiser at a time.
-                conn.execute("LOCK TABLE cryptd_keyring IN SHARE ROW EXCLUSIVE MODE")
-            yield _PgTransaction(conn)
+        """One change. Its commit waits for the synchronous standby; should that wait be
+        cancelled (the statement timeout, with the standby gone), PostgreSQL commits on the
+        primary alone and only warns: that change is refused as :class:`CommitUnconfirmed`,
+        never acknowledged as if it were on both."""
+        with self._session() as conn:
+            warnings: list[str | None] = []  # their SQLSTATEs
+
+            def heard(notice: psycopg.errors.Diagnostic) -> None:
+                warnings.append(notice.sqlstate)  # read now: the notice is gone afterwards
+
+            conn.add_notice_handler(heard)
+            try:
+                with conn.transaction():
+                    conn.execute(_WRITER_TIMEOUTS)
+                    locked = conn.execute("SELECT 1 FROM cryptd_keyring WHERE id = 1 FOR UPDATE")
+                    if locked.fetchone() is None:
+                        # An empty store being initialised: one initialiser at a time.
+                        conn.execute("LOCK TABLE cryptd_keyring IN SHARE ROW EXCLUSIVE MODE")
+                    yield _PgTransaction(conn)
+                    warnings.clear()  # what the server says from here on is about the commit
+            finally:
+                conn.remove_notice_handler(heard)
+            # SQLSTATE 01000 (a plain WARNING) is all the commit may say: the message is
+            # translated with the server's lc_messages, so it is not matched.
+            if "01000" in warnings:
+                raise CommitUnconfirmed(
+                    f"{self._description}: the change was committed on the primary, but the "
+                    "synchronous standby did not confirm it in time"
+                )
 
     @contextlib.contextmanager
     def try_lock(self, purpose: str) -> Iterator[bool]:

@@ -48,6 +48,7 @@ from service.keys.keyring import Keyring
 from service.keys.masterkey import MasterKey, MasterKeySource
 from service.keys.store import (
     Changed,
+    CommitUnconfirmed,
     IntegrityError,
     KeyStore,
     KeystoreError,
@@ -401,6 +402,9 @@ class Snapshot:
                 raise _refused(str(exc)) from None
             except StoreUnavailable as exc:
                 raise _unavailable(str(exc)) from None
+            except CommitUnconfirmed as exc:
+                self._stamp = _UNSET  # committed: the next check reads it
+                raise _unconfirmed(str(exc)) from None
             self._keyring = keyring
             self.document, self._raw = document, stored
             # Before the caller answers: from here on no worker of this host serves an older
@@ -462,6 +466,9 @@ class Snapshot:
                 raise _refused(str(exc)) from None
             except StoreUnavailable as exc:
                 raise _unavailable(str(exc)) from None
+            except CommitUnconfirmed as exc:
+                self._stamp = _UNSET  # committed: the next check reads it
+                raise _unconfirmed(str(exc)) from None
             self._keyring = keyring
             self.document, self._raw = document, stored
             self._adopt_master(new)
@@ -482,6 +489,14 @@ def _refused(reason: str) -> KeystoreUnavailable:
         f"the key store failed verification ({reason}); key management is refused and "
         "nothing was changed. Crypto keeps serving the keyring loaded before. Restore the "
         "keyring from a backup (or undo the edit), then retry."
+    )
+
+
+def _unconfirmed(reason: str) -> KeystoreUnavailable:
+    log.error("key change not confirmed by the synchronous standby", extra={"reason": reason})
+    return KeystoreUnavailable(
+        f"{reason}. The change is in force, but would be lost with the primary: it is not "
+        "acknowledged. Read the key to see its state before repeating anything."
     )
 
 

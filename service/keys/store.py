@@ -33,6 +33,11 @@ class StoreUnavailable(KeystoreError):
     again later may succeed. Nothing was changed."""
 
 
+class CommitUnconfirmed(KeystoreError):
+    """The change committed on the primary, but the synchronous standby never confirmed it
+    (the wait for it was cancelled): in force, and lost if the primary is lost now."""
+
+
 class IntegrityError(KeystoreError):
     """What the store holds is refused: malformed, failing its MAC, under another master key,
     another deployment's, or older than what this process already serves."""
