@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from cryptd_client import (
+    CryptdAPIError,
     CryptdClient,
     CryptdConfigurationError,
     CryptdConnectionError,
@@ -293,6 +294,14 @@ def test_retry_decisions(offline: CryptdClient) -> None:
             assert (sent, error) == (1, lost_answer)
             sent, error = _attempts(client, random, [lost_answer] * 5)
             assert (sent, error) == (4, lost_answer)
+        # A proxy's 502 (HAProxy closing a session it took out) or 504: the same lost answer.
+        for status in (502, 504):
+            proxy = httpx.Response(status, html="<html><body>Bad Gateway</body></html>")
+            assert _attempts(client, random, [proxy, ok]) == (2, bytes(8))
+            sent, error = _attempts(client, rotate, [proxy, rotated])
+            assert sent == 1
+            assert isinstance(error, CryptdAPIError)
+            assert (error.status, error.code) == (status, "unknown")
     # The time spent waiting for a lost answer counts toward max_total_wait: 0.12 s waited
     # plus the first backoff (0.1 s) is past 0.15 s, where 0.1 s alone would be retried.
     with CryptdClient("http://127.0.0.1:1", "c", "c2VjcmV0", max_total_wait=0.15) as impatient:

@@ -37,7 +37,11 @@ DEFAULT_BATCH_SIZE: Final = 1000
 BACKOFF_BASE: Final = 0.1  # seconds before the first retry when the server names no delay
 MAX_BACKOFF: Final = 10.0  # longest single wait
 MAX_TOTAL_WAIT: Final = 30.0  # longest total wait across the retries of one call
-_RETRY_STATUSES: Final = frozenset({429, 503})
+# 429 and 503 are cryptd's own "not now". 502 and 504 never come from cryptd: a proxy in front
+# of it answers them when cryptd's answer did not reach it (HAProxy closing the sessions of a
+# host its checks took out answers 502; no answer in time, 504). Like a lost answer, the
+# request may have been served: sent again only when idempotent, as all of these are.
+_RETRY_STATUSES: Final = frozenset({429, 502, 503, 504})
 
 # Failures where the request cannot have been processed: no connection, or a kept-alive
 # connection the server closed (shutdown, idle timeout) before it sent any response byte.
