@@ -98,11 +98,10 @@ class AuditedSend:
         one more object and one more step on the way out and back.)"""
         self.committed = True
         audit = self.audit
-        record = record_of(self.scope, status, code)
         trail = audit.trail
         if trail is not None:  # Audit.commit(), one call fewer per request
-            return trail.commit(record, begun=True)
-        return audit.commit(record, begun=True)
+            return trail.commit(line_of(audit, self.scope, status, code), begun=True)
+        return audit.commit(record_of(self.scope, status, code), begun=True)
 
     async def refuse(self) -> bool:
         """The record was not written: True when the answer became 503 audit_unavailable
@@ -127,6 +126,43 @@ def _code(body: bytes) -> str | None:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
     return code if isinstance(code, str) else None
+
+
+def line_of(audit: Audit, scope: Scope, status: int, code: str | None) -> bytes | RequestRecord:
+    """The trail's record of a usual request, serialized at once, as :func:`record_of` and
+    ``audit.body`` would make it: no record object built and read again. Else (a request
+    refused before its endpoint, a rewrap, a detail, a sensitive value, a first record of its
+    kind) the :func:`record_of`, serialized with its group."""
+    state = scope.get("state") or {}
+    event = state.get("audit_event") or state.get("operation")
+    if (
+        event is None
+        or state.get("audit_detail")
+        or state.get("approval_id")
+        or (event == "rewrap" and state.get("to_key") is not None)
+    ):
+        return record_of(scope, status, code)
+    outcome = state.get("audit_outcome", "ok") if status < 400 else code or f"http_{status}"
+    versions = state.get("key_version")
+    if isinstance(versions, tuple) and len(versions) == 1:
+        versions = versions[0]
+    when = time.time()
+    repeated = (
+        event,
+        outcome,
+        status,
+        getattr(state.get(STATE_KEY), "client_id", None),
+        state.get("key"),
+        versions,
+        state.get("audit_items", 1),
+    )
+    try:
+        line = audit.plain_body(
+            when, repeated, state.get("request_id"), state.get("audit_values", ())
+        )
+    except Exception:  # a field it cannot serialize: the group write refuses that record alone
+        line = None
+    return line if line is not None else record_of(scope, status, code)
 
 
 def record_of(scope: Scope, status: int, code: str | None) -> RequestRecord:

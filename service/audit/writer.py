@@ -58,7 +58,7 @@ GROUP_MAX = 512  # records that start a sync without waiting for the others
 Format = Callable[[Any], dict[str, Any] | bytes]
 """format(record) -> the line's fields (after seq and prev), run when its group is written (on
 the event loop, or the writer's thread): a dict, or those fields already serialized as one JSON
-object."""
+object. A record handed over as bytes is such an object already and is not formatted."""
 
 
 class SecondarySink(Protocol):
@@ -436,7 +436,7 @@ class AuditWriter:
         futures: list[asyncio.Future[bool]] = []
         try:
             for record, future in batch:
-                body = fmt(record)
+                body = record if type(record) is bytes else fmt(record)
                 fields.append(body if type(body) is bytes else orjson.dumps(body))
                 futures.append(future)  # type: ignore[arg-type]
         except Exception:  # a record that cannot be formatted: the general path refuses it
@@ -455,7 +455,7 @@ class AuditWriter:
             told = waiters
             if record is not None:  # else a flush marker: told how the batch went
                 try:
-                    body = self._format(record)
+                    body = record if type(record) is bytes else self._format(record)
                     fields.append(body if type(body) is bytes else orjson.dumps(body))
                 except Exception as exc:  # a bug in a record's fields: that request is refused
                     log.error(
