@@ -108,6 +108,8 @@ def _resolve(futures: list[asyncio.Future[bool]], ok: bool) -> None:
             pass
 
 
+_new = tuple.__new__
+
 _Pending = tuple[Any, "asyncio.Future[bool] | Callable[[bool], None] | None"]
 
 
@@ -349,10 +351,11 @@ class AuditWriter:
                 self._synced(*reply)
         if self._in_flight:
             return
-        if self._held or not self._pending:
+        # Nothing held, pending or unsynced (the usual answer): nothing to write or sync.
+        if self._held or (not self._pending and self._unsynced):
             self._held = False
             self._write_and_sync()
-        elif self._loop is not None:  # a group still waiting for its running requests
+        elif self._pending and self._loop is not None:  # a group waiting for running requests
             self._group(self._loop)
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
@@ -540,8 +543,9 @@ class AuditWriter:
                 lines.append(line)
                 since = 0
         data = b"".join(lines)
-        state = _State(self._size + len(data), head, since, False)
-        group = _Group(self._next_group, waiters, lines, len(fields), state)
+        # tuple.__new__: a named tuple's own __new__ is a Python call, two per group.
+        state = _new(_State, (self._size + len(data), head, since, False))
+        group = _new(_Group, (self._next_group, waiters, lines, len(fields), state))
         self._next_group += 1
         self._unsynced.append(group)
         try:
