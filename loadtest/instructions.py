@@ -61,6 +61,7 @@ VARIANTS: Final = (
     "metrics-multiprocess",  # prometheus-client's files, as with several workers
     "replay-memory",  # one process's replay store
     "replay-redis",  # the replay store in Redis (REDIS_URL below)
+    "audit-off",  # CRYPTD_AUDIT_LOG=off: the audit trail's cost is default minus this
 )
 REDIS_URL: Final = os.environ.get("CRYPTD_GUARD_REDIS", "redis://127.0.0.1:6379/11")
 # What the counts depend on besides cryptd's code, recorded with the budget.
@@ -382,6 +383,8 @@ def _variant_choice(name: str, scratch: Path) -> dict[str, Any]:
         return {"memory_replay": True}
     if name == "replay-redis":
         return {"redis_url": REDIS_URL}
+    if name == "audit-off":
+        return {"audit": False}
     return {}
 
 

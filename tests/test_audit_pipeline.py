@@ -4,14 +4,20 @@ could not be written by 503 audit_unavailable."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from service.api.auditing import AuditedSend
+from service.api import auditing
+from service.api.auditing import AuditedSend, record_of
 from service.asgi import error_body
+from service.audit.redact import salted
+from service.crypto.base import SignOptions
 from service.logs.audit import Audit
+from service.operations import EncryptItem, SignItem
 from tests.test_audit_trail import open_audit
 
 
@@ -122,3 +128,51 @@ async def test_failing_open_answers_anyway(tmp_path: Path) -> None:
 
 def test_stderr_audit_never_fails_closed() -> None:
     assert not Audit(None, fail_closed=True).fail_closed
+
+
+class _Client:
+    client_id = "c1"
+
+
+_PLAIN: dict[str, Any] = {
+    "request_id": "r1",
+    "crypto_operation": "encrypt",
+    "operation": "encrypt",
+    "key": "payments",
+    "key_version": 2,
+    "client": _Client(),
+}
+_STATES: list[tuple[dict[str, Any], int, str | None]] = [
+    (_PLAIN, 200, None),
+    ({**_PLAIN, "audit_values": (EncryptItem(b"x"),)}, 200, None),
+    ({**_PLAIN, "audit_values": (EncryptItem(b"x", aad=b"a"),)}, 200, None),
+    ({**_PLAIN, "audit_values": (SignItem(b"m", False, SignOptions(signer_id=b"s")),)}, 200, None),
+    ({**_PLAIN, "key_version": (3,), "audit_items": 2}, 200, None),
+    ({**_PLAIN, "key_version": (1, 3), "audit_items": 2, "audit_outcome": "partial"}, 200, None),
+    ({**_PLAIN, "key_version": [1, 3]}, 200, None),  # unhashable: the record says it
+    (_PLAIN, 403, "forbidden"),
+    (_PLAIN, 429, None),
+    ({"request_id": "r2", "crypto_operation": "encrypt"}, 401, "unauthenticated"),
+    ({**_PLAIN, "operation": "rewrap", "to_key": "other"}, 200, None),
+    ({**_PLAIN, "audit_event": "key.create", "audit_detail": {"type": "aes256-gcm"}}, 200, None),
+    ({**_PLAIN, "approval_id": "a1"}, 200, None),
+    ({**_PLAIN, "request_id": 'odd "id"\n'}, 200, None),
+]
+
+
+@pytest.mark.parametrize("hash_key_names", [False, True])
+def test_a_usual_record_serialized_at_once_is_the_record_the_writer_would_make(
+    monkeypatch: pytest.MonkeyPatch, hash_key_names: bool
+) -> None:
+    # line_of (the request path) and body(record_of) (the group write) give the same bytes,
+    # before and after the record's middle is known.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.123)
+    audit = Audit(None, mac=salted(b"k" * 32), hash_key_names=hash_key_names)
+    for state, status, code in _STATES:
+        request = {**scope(), "state": state}
+        expected = audit.body(record_of(request, status, code))
+        for _ in range(2):
+            line = auditing.line_of(audit, request, status, code)
+            assert (line if isinstance(line, bytes) else audit.body(line)) == expected
+    usual = auditing.line_of(audit, {**scope(), "state": _PLAIN}, 200, None)
+    assert type(usual) is bytes  # the usual request's record is never built

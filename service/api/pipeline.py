@@ -269,8 +269,8 @@ class RequestPipeline:
             status = 200
             response_started = True
             # Audited: the record is written first; if it could not be and the audit fails
-            # closed, commit() has answered 503 instead.
-            if audited is not None and not await audited.commit(200):
+            # closed, refuse() has answered 503 instead.
+            if audited is not None and not await audited.written(200) and await audited.refuse():
                 return
             await send(start)
             await send({"type": "http.response.body", "body": answer})

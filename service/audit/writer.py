@@ -58,7 +58,7 @@ GROUP_MAX = 512  # records that start a sync without waiting for the others
 Format = Callable[[Any], dict[str, Any] | bytes]
 """format(record) -> the line's fields (after seq and prev), run when its group is written (on
 the event loop, or the writer's thread): a dict, or those fields already serialized as one JSON
-object."""
+object. A record handed over as bytes is such an object already and is not formatted."""
 
 
 class SecondarySink(Protocol):
@@ -100,9 +100,15 @@ class _Waiters:
 
 def _resolve(futures: list[asyncio.Future[bool]], ok: bool) -> None:
     for future in futures:
-        if not future.done():
+        # Only a cancelled future is done already: no done() call for all the others (and
+        # try, not contextlib.suppress: 2.6 times as fast per future, timeit).
+        try:  # noqa: SIM105
             future.set_result(ok)
+        except asyncio.InvalidStateError:
+            pass
 
+
+_new = tuple.__new__
 
 _Pending = tuple[Any, "asyncio.Future[bool] | Callable[[bool], None] | None"]
 
@@ -222,7 +228,13 @@ class AuditWriter:
         self._pending.append((record, future))
         if begun:
             self._running -= 1
-        self._group(loop)
+        # _group(), inlined: one call fewer per request.
+        if self._running <= 0 or len(self._pending) >= GROUP_MAX or not self._group_delay:
+            if not self._kick_due:
+                self._kick_due = True
+                loop.call_soon(self._kick)
+        elif self._timer is None:
+            self._timer = loop.call_later(self._group_delay, self._kick)
         return future
 
     def _group(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -254,7 +266,7 @@ class AuditWriter:
             if self._pending:
                 batch = list(self._pending)
                 self._pending.clear()
-                self._write_batch(batch)
+                self._write_loop_group(batch)
                 if self._max_bytes and self._size >= self._max_bytes:
                     self._signal()  # the thread rotates the file
             if self._unsynced and not self._in_flight:
@@ -263,6 +275,14 @@ class AuditWriter:
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._mutex:
             old, self._loop = self._loop, loop
+            # The loop's groups hold only its own futures (_write_loop_group): records still
+            # pending from the old loop go to the thread, which tells each future's own loop.
+            while self._pending:
+                self._queued.append(self._pending.popleft())
+            if old is not None:
+                self._kick_due = False
+                self._timer = None
+                self._signal()
             syncer = self._syncer
             if syncer is not None:
                 if old is not None and not old.is_closed():
@@ -331,10 +351,11 @@ class AuditWriter:
                 self._synced(*reply)
         if self._in_flight:
             return
-        if self._held or not self._pending:
+        # Nothing held, pending or unsynced (the usual answer): nothing to write or sync.
+        if self._held or (not self._pending and self._unsynced):
             self._held = False
             self._write_and_sync()
-        elif self._loop is not None:  # a group still waiting for its running requests
+        elif self._pending and self._loop is not None:  # a group waiting for running requests
             self._group(self._loop)
 
     def submit(self, record: Any, done: Callable[[bool], None] | None = None) -> None:
@@ -409,6 +430,27 @@ class AuditWriter:
 
     # -- writing and syncing (under the mutex) ------------------------------------------------
 
+    def _write_loop_group(self, batch: list[_Pending]) -> None:
+        """:meth:`_write_batch` of the loop's own records: each waiter is a future of
+        ``self._loop`` (see :meth:`_bind`), so the group's are handed over as one list, with
+        no per-record type or loop checks."""
+        fmt = self._format
+        fields: list[bytes] = []
+        futures: list[asyncio.Future[bool]] = []
+        try:
+            for record, future in batch:
+                body = record if type(record) is bytes else fmt(record)
+                fields.append(body if type(body) is bytes else orjson.dumps(body))
+                futures.append(future)  # type: ignore[arg-type]
+        except Exception:  # a record that cannot be formatted: the general path refuses it
+            self._write_batch(batch)
+            return
+        waiters = _Waiters()
+        loop = self._loop
+        if futures and loop is not None:
+            waiters.by_loop[loop] = futures
+        self._write_group(fields, waiters, final=False)
+
     def _write_batch(self, batch: list[_Pending], *, final: bool = False) -> None:
         waiters, refused = _Waiters(), _Waiters()
         fields: list[bytes] = []
@@ -416,7 +458,7 @@ class AuditWriter:
             told = waiters
             if record is not None:  # else a flush marker: told how the batch went
                 try:
-                    body = self._format(record)
+                    body = record if type(record) is bytes else self._format(record)
                     fields.append(body if type(body) is bytes else orjson.dumps(body))
                 except Exception as exc:  # a bug in a record's fields: that request is refused
                     log.error(
@@ -433,6 +475,9 @@ class AuditWriter:
             elif waiter is not None:
                 told.callbacks.append(waiter)
         refused.settle(False)
+        self._write_group(fields, waiters, final=final)
+
+    def _write_group(self, fields: list[bytes], waiters: _Waiters, *, final: bool) -> None:
         due = self._since_checkpoint + len(fields) >= self._every or (
             (fields or self._since_checkpoint)
             and (final or time.monotonic() - self._last_checkpoint >= self._interval)
@@ -498,8 +543,9 @@ class AuditWriter:
                 lines.append(line)
                 since = 0
         data = b"".join(lines)
-        state = _State(self._size + len(data), head, since, False)
-        group = _Group(self._next_group, waiters, lines, len(fields), state)
+        # tuple.__new__: a named tuple's own __new__ is a Python call, two per group.
+        state = _new(_State, (self._size + len(data), head, since, False))
+        group = _new(_Group, (self._next_group, waiters, lines, len(fields), state))
         self._next_group += 1
         self._unsynced.append(group)
         try:

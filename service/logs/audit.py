@@ -5,6 +5,10 @@ Two destinations. A file (``CRYPTD_AUDIT_LOG=/path``) is the audit trail proper
 is answered, signed checkpoints under the keyring's ``cryptd:audit-signing`` key, sensitive
 values HMAC'd under ``cryptd:audit-hmac``. ``stderr`` shares the log stream: the same records,
 neither chained nor waited for (development, or a platform that ships stderr).
+
+Over 400 lines as one module: both destinations' lines, the request path's serialized
+record (:meth:`Audit.plain_body`) and the group write's (:meth:`Audit.body`) share one
+cache of serialized middles and one rule for sensitive values, which must not diverge.
 """
 
 from __future__ import annotations
@@ -217,40 +221,54 @@ class Audit:
         request's record (no target key, route, detail or sensitive value) repeats all but its
         time and request id from the records before it: that middle is serialized (and its key
         name HMAC'd) once per distinct value, which halves the writer's formatting CPU."""
-        values, mac = record.values, self._mac
-        sensitive = _sensitive(mac, values) if values and mac is not None else None
-        if sensitive or record.target_key is not None or record.method is not None or record.detail:
-            line = self._plain_fields(record)
-            if sensitive:
-                line.update(sensitive)
-            return orjson.dumps(line)
-        repeated = (
-            record.event,
-            record.outcome,
-            record.status,
-            record.client,
-            record.key,
-            record.key_version,
-            record.items,
-        )
+        # One unpacking, not a named tuple's attribute lookup per field.
+        when, _, _, _, _, _, _, _, request_id, target, detail, values, method, _ = record
+        if target is None and method is None and not detail:
+            # event, outcome, status, client, key, key_version, items
+            line = self.plain_body(when, record[1:8], request_id, values, learn=True)
+            if line is not None:
+                return line
+        fields = self._plain_fields(record)
+        mac = self._mac
+        if values and mac is not None:
+            fields.update(_sensitive(mac, values))
+        return orjson.dumps(fields)
+
+    def plain_body(
+        self,
+        when: float,
+        repeated: tuple[Any, ...],
+        request_id: str | None,
+        values: tuple[Any, ...],
+        *,
+        learn: bool = False,
+    ) -> bytes | None:
+        """:meth:`body` of a plain request's record (no target key, route or detail) from its
+        parts, with no record built: ``repeated`` is its event, outcome, status, client, key,
+        key version and items. None when it is not that simple after all (a sensitive value
+        to HMAC, an unhashable field) or, unless ``learn``, when its middle is not known yet:
+        then :meth:`body` of the whole record says it."""
+        mac = self._mac
+        if values and mac is not None and _found(values) is not None:
+            return None
         try:
             middle = self._middles.get(repeated)
         except TypeError:  # an unhashable value (a list where a tuple was expected)
-            return orjson.dumps(self.fields(record))
+            return None
         if middle is None:
-            middle = self._middle(record, repeated)
+            if not learn:
+                return None
+            middle = self._middle(repeated)
         return b"".join(
-            (
-                b'{"ts":"',
-                timestamp(record.when).encode(),
-                middle,
-                orjson.dumps(record.request_id),
-                b"}",
-            )
+            (b'{"ts":"', timestamp(when).encode(), middle, orjson.dumps(request_id), b"}")
         )
 
-    def _middle(self, record: RequestRecord, repeated: tuple[Any, ...]) -> bytes:
-        whole = orjson.dumps(self._plain_fields(record._replace(when=0.0, request_id=None)))
+    def _middle(self, repeated: tuple[Any, ...]) -> bytes:
+        whole = orjson.dumps(
+            self._plain_fields(
+                RequestRecord._make((0.0, *repeated, None, None, None, (), None, None))
+            )
+        )
         # {"ts":"1970-...Z","event":...,"request_id":null} -> ","event":...,"request_id":
         middle = b'"' + whole[len(_EPOCH_TS) : -len(b"null}")]
         if len(self._middles) >= _AUDIT_MIDDLES_MAX:
@@ -291,21 +309,31 @@ class Audit:
 
 
 def _sensitive(mac: redact.Mac, values: tuple[Any, ...]) -> dict[str, list[str]]:
-    found: dict[str, list[bytes]] = {}
-    for item in values:
-        aad = getattr(item, "aad", b"")
-        if aad:
-            found.setdefault("aad", []).append(aad)
-        context = getattr(item, "context", None)
-        if context is not None:
-            found.setdefault("context", []).append(context)
-        options = getattr(item, "options", NO_OPTIONS)
-        signer_id = getattr(options, "signer_id", None)
-        if signer_id is not None:
-            found.setdefault("signer_id", []).append(signer_id)
-    if not found:  # the common case: nothing to HMAC
+    found = _found(values)
+    if found is None:  # the common case: nothing to HMAC
         return {}
     return {name: redact.hashed_all(mac, found[name]) for name in SENSITIVE if name in found}
+
+
+def _found(values: tuple[Any, ...]) -> dict[str, list[bytes]] | None:
+    """The request's :data:`SENSITIVE` values by name, before any HMAC; None when there are
+    none (the usual request)."""
+    found: dict[str, list[bytes]] | None = None  # made only when a value is found
+    for item in values:
+        aad = getattr(item, "aad", b"")
+        context = getattr(item, "context", None)
+        signer_id = getattr(getattr(item, "options", NO_OPTIONS), "signer_id", None)
+        if not aad and context is None and signer_id is None:
+            continue  # the common case: nothing to HMAC
+        if found is None:
+            found = {}
+        if aad:
+            found.setdefault("aad", []).append(aad)
+        if context is not None:
+            found.setdefault("context", []).append(context)
+        if signer_id is not None:
+            found.setdefault("signer_id", []).append(signer_id)
+    return found
 
 
 def keyring_signer(
