@@ -46,6 +46,11 @@ def test_a_replica_cut_off_from_the_store_never_serves_a_key_disabled_meanwhile(
     env = {"CRYPTD_REDIS_URL": redis_url}
     with replicas(tmp_path, [pg_database, through_relay], env=env) as (a, b):  # type: ignore[arg-type]
         assert status(b) == (200, "")
+        # /readyz answers once one worker is up: the cut must not come while b's other worker
+        # is still loading the keyring (a worker that cannot start stops the server).
+        wait_for(
+            lambda: b.log().count("Application startup complete.") >= 2, what="b's every worker"
+        )
         answers: list[tuple[float, int, str]] = []
         stop = threading.Event()
 
