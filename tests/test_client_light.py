@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -54,8 +55,13 @@ def test_fresh_venv_gets_httpx_only_and_round_trips(server: Server, tmp_path: Pa
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # From a copy: a build from the source tree leaves client/build/ in the checkout, which
+    # then holds a second copy of the package for the type checker.
+    source = shutil.copytree(
+        ROOT / "client", tmp_path / "client", ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
     subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", str(ROOT / "client")],
+        [python, "-m", "pip", "install", "--quiet", str(source)],
         check=True,
         env=environ,
         cwd=tmp_path,
