@@ -11,6 +11,11 @@ is put where ``--audit-dir`` says (default: a temporary directory; use the disk 
 would). At the end the trail is proved with ``cryptd audit verify`` and its records counted
 against the requests answered.
 
+Where the cost comes from, in the same rounds: ``--memory-dir /dev/shm`` adds a server whose
+trail is on a memory file system (every ``fdatasync`` returns at once: the trail's own work
+without the disk's), and every round reports each server's CPU per request (its process tree,
+the sync process included, from ``/proc``).
+
 The report (JSON) goes to ``loadtest/results/``; the summary is printed and, with
 ``--record``, written as ``docs/results/DATE-audit-cost.md``. Run it on a quiet machine: never
 in CI. The alternation is loadtest/alternate.py's, shared with loadtest/seal_parity.py.
@@ -19,6 +24,7 @@ in CI. The alternation is loadtest/alternate.py's, shared with loadtest/seal_par
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +50,8 @@ class Round:
     off_ops: float
     audited_ops: float
     baseline_ops: float | None = None  # with --baseline: the audited server of that tree
+    memory_ops: float | None = None  # with --memory-dir: the trail on a memory file system
+    cpu_us: dict[str, float] = field(default_factory=dict)  # server -> CPU us per request
 
     @property
     def ratio(self) -> float:
@@ -54,6 +62,12 @@ class Round:
         if self.baseline_ops is None or not self.off_ops:
             return float("nan")
         return self.baseline_ops / self.off_ops
+
+    @property
+    def memory_ratio(self) -> float:
+        if self.memory_ops is None or not self.off_ops:
+            return float("nan")
+        return self.memory_ops / self.off_ops
 
 
 @dataclass
@@ -66,12 +80,20 @@ class Report:
     verify_exit: int | None = None
     verify_output: str = ""
     baseline: str | None = None  # the other tree measured in the same run
+    memory_dir: str | None = None  # where the memory-file-system server's trail went
 
     @property
     def baseline_cost(self) -> float | None:
         if self.baseline is None:
             return None
         return 1 - statistics.median(r.baseline_ratio for r in self.rounds)
+
+    @property
+    def memory_cost(self) -> float | None:
+        """The cost of the trail on a memory file system: its own work, no disk sync."""
+        if self.memory_dir is None:
+            return None
+        return 1 - statistics.median(r.memory_ratio for r in self.rounds)
 
     @property
     def cost(self) -> float:
@@ -84,6 +106,7 @@ class Report:
             "rounds": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in self.rounds],
             "cost": round(self.cost, 4),
             "baseline_cost": None if self.baseline_cost is None else round(self.baseline_cost, 4),
+            "memory_cost": None if self.memory_cost is None else round(self.memory_cost, 4),
             "goal": GOAL,
             "met": self.cost <= GOAL and self.verify_exit == 0,
         }
@@ -129,6 +152,7 @@ def measure(
     work: Path,
     group_delay_ms: float | None = None,
     baseline: Path | None = None,
+    memory_dir: Path | None = None,
 ) -> Report:
     report = Report(topology.summary(), describe(rsa_sign_us()))
     cpus = topology.server_cpus
@@ -143,6 +167,10 @@ def measure(
         base_dir.mkdir()
         env = {**audit_env(base_dir, group_delay_ms), "PYTHONPATH": str(baseline.resolve())}
         servers += (Cryptd(work / "baseline", env=env, cpus=cpus, name="baseline"),)
+    if memory_dir is not None:  # the same audited server, its trail where no sync waits
+        report.memory_dir = str(memory_dir)
+        env = audit_env(memory_dir, group_delay_ms)
+        servers += (Cryptd(work / "memory", env=env, cpus=cpus, name="memory"),)
     try:
         for server in servers:
             server.start()
@@ -153,11 +181,18 @@ def measure(
             cores = topology.server_cores
             report.audited_requests += figures["audited"].requests
             base = figures.get("baseline")
+            memory = figures.get("memory")
             report.rounds.append(
                 Round(
                     per_core(figures["audit-off"], cores),
                     per_core(figures["audited"], cores),
                     None if base is None else per_core(base, cores),
+                    None if memory is None else per_core(memory, cores),
+                    {
+                        name: round(m.server_cpu_s / m.requests * 1e6, 1)
+                        for name, m in figures.items()
+                        if m.server_cpu_s is not None and m.requests
+                    },
                 )
             )
     finally:
@@ -190,6 +225,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a checkout of other code (a source tree): its audited server is measured in the"
         " same rounds, for an A/B of two versions of the trail on one machine state",
     )
+    parser.add_argument(
+        "--memory-dir",
+        type=Path,
+        help="also measure an audited server whose trail goes under this directory of a memory"
+        " file system (e.g. /dev/shm), in the same rounds: the trail's cost without the disk",
+    )
     parser.add_argument("--shared-cores", action="store_true", help="no pinning")
     parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
     parser.add_argument("--server-cpus", help="CPUs of the servers (default: the rest)")
@@ -214,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             audit_dir = work / "audit"
             audit_dir.mkdir()
+        memory_dir = None
+        if args.memory_dir:
+            args.memory_dir.mkdir(parents=True, exist_ok=True)
+            memory_dir = Path(tempfile.mkdtemp(prefix="audit-cost-", dir=args.memory_dir))
         report = measure(
             topology,
             args.rounds,
@@ -223,7 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             work,
             args.group_delay_ms,
             args.baseline,
+            memory_dir,
         )
+        if memory_dir is not None:
+            shutil.rmtree(memory_dir, ignore_errors=True)  # memory, not disk: give it back
     summary = report.summary()
     stamp = alternate.stamp()
     text = markdown(report, args, stamp)
@@ -245,19 +293,37 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
             + ", ".join(f"{r.baseline_ops:,.0f} ({r.baseline_ratio:.3f})" for r in report.rounds)
             + "."
         )
+    memory = ""
+    if report.memory_dir is not None and report.memory_cost is not None:
+        memory = (
+            f"\n\nThe trail on a memory file system (`--memory-dir`, every sync at once, in the"
+            f" same rounds): **cost {report.memory_cost:.1%}**; per round req/s per core: "
+            + ", ".join(f"{r.memory_ops:,.0f} ({r.memory_ratio:.3f})" for r in report.rounds)
+            + "."
+        )
+    cpu = ""
+    if any(r.cpu_us for r in report.rounds):
+        cpu = (
+            "\n\nServer CPU per request (process tree, µs), per round: "
+            + "; ".join(
+                ", ".join(f"{name} {us:g}" for name, us in r.cpu_us.items()) for r in report.rounds
+            )
+            + "."
+        )
     return (
         f"# Audit trail cost ({stamp})\n\n"
         f"- {report.topology}; {report.phase}\n"
         f"- `python -m loadtest.audit_cost --rounds {args.rounds} --duration {args.duration:g}"
         f" --connections {args.connections}"
         + (f" --group-delay-ms {args.group_delay_ms:g}" if args.group_delay_ms is not None else "")
+        + (f" --memory-dir {args.memory_dir}" if args.memory_dir is not None else "")
         + "`\n"
         f"- AES-GCM encrypt, one worker; audited: `CRYPTD_AUDIT_LOG` file, fail-closed, group"
         f" `fdatasync`\n\n"
         f"| round | audit off req/s per core | audited | ratio |\n|---|---|---|---|\n{rows}\n\n"
         f"**Cost: {report.cost:.1%}** of throughput per core (goal <= {GOAL:.0%}); "
         f"{report.records} encrypt records for {report.audited_requests} requests answered; "
-        f"`cryptd audit verify` exit {report.verify_exit}." + baseline
+        f"`cryptd audit verify` exit {report.verify_exit}." + baseline + memory + cpu
     )
 
 

@@ -40,6 +40,24 @@ def test_a_baseline_tree_gets_its_own_cost_from_the_same_rounds() -> None:
     assert "500 (0.500), 700 (0.700), 600 (0.600)" in text
 
 
+def test_the_memory_file_system_server_gets_its_cost_and_every_server_its_cpu() -> None:
+    """``--memory-dir``: the trail without the disk's syncs, from the same rounds; each
+    round's CPU per request is reported by server."""
+    report = Report("pinned", "fast", memory_dir="/dev/shm/x")
+    report.rounds = [
+        Round(1000, 700, memory_ops=900, cpu_us={"audit-off": 100.0, "audited": 150.5}),
+        Round(1000, 600, memory_ops=800, cpu_us={"audit-off": 101.0, "audited": 160.0}),
+        Round(1000, 650, memory_ops=850),
+    ]
+    assert report.memory_cost == pytest.approx(0.15)
+    assert report.summary()["memory_cost"] == pytest.approx(0.15)
+    assert Report("pinned", "fast", rounds=report.rounds).memory_cost is None
+    text = markdown(report, parse_args(["--memory-dir", "/dev/shm"]), "now")
+    assert "--memory-dir /dev/shm`" in text
+    assert "**cost 15.0%**" in text and "900 (0.900), 800 (0.800), 850 (0.850)" in text
+    assert "audit-off 100, audited 150.5; audit-off 101, audited 160" in text
+
+
 def test_options_are_checked() -> None:
     assert parse_args([]).rounds == 6
     with pytest.raises(SystemExit):
