@@ -21,6 +21,11 @@ clients talk to a service. Two questions, answered from the same run:
 - the hot path: TLS must cost cryptd no more server CPU per request than it costs the bare app
   answering the same requests (AES-GCM encrypt 1 KiB, the ceiling scenario);
 - against OpenBao: cryptd's throughput ratio with TLS on both sides is no worse than without.
+
+Then the mixed traffic over TLS (``mix``, in the default scenarios): AES-GCM encrypt and RSA-2048
+sign at once against cryptd over TLS and OpenBao over its TLS, and the cheap stream alone at the
+same connection count (loadtest/campaign.py's ``run_mixes``, as ``loadtest.run`` measures it in
+plain HTTP): the cheap stream's P99 beside the costly one must stay within twice its P99 alone.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from loadtest.campaign import CEILING_SCENARIO
+from loadtest.campaign import CEILING_SCENARIO, run_mixes
 from loadtest.machine import interpreter_of, served_by
 from loadtest.measure import Measurement
 from loadtest.options import (
@@ -51,9 +56,9 @@ from loadtest.phase import describe as describe_phase
 from loadtest.phase import rsa_sign_us
 from loadtest.plan import CALIBRATION_DEFAULT, Plan, load_settings
 from loadtest.progress import describe, log
-from loadtest.report import Summary, summarize
+from loadtest.report import MixResult, Summary, summarize
 from loadtest.sampling import AnyTarget, Prepared, measure, prepare, quietly
-from loadtest.scenarios import BY_NAME, SCENARIOS
+from loadtest.scenarios import BY_NAME, MIX_BY_NAME, SCENARIOS
 from loadtest.session import session, write_outputs, wrk_missing
 from loadtest.targets import Bare, Cryptd, OpenBao, PrivateRedis
 from loadtest.tls_rounds import rounds_table
@@ -285,8 +290,10 @@ def openbao_table(found: Sequence[ScenarioResult]) -> str:
     return "\n".join(rows)
 
 
-def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
-    """The docs' section: what ran, the hot-path table and the OpenBao table."""
+def summary(
+    result: dict[str, Any], found: Sequence[ScenarioResult], mixes: Sequence[MixResult] = ()
+) -> str:
+    """The docs' section: what ran, the hot-path table, the OpenBao table and the mixes."""
     cfg, tls = result["config"], result["tls"]
     production = cfg.get("production", False)
     setup = (
@@ -344,10 +351,19 @@ def summary(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
             "",
             rounds_table(runs, cfg["rounds"]),
         ]
+    for mix in mixes:
+        lines += [
+            "",
+            f"Mixed traffic over TLS (cryptd and OpenBao each over its own TLS): {mix.mix.title}:",
+            "",
+            mix.table(),
+        ]
     return "\n".join(lines)
 
 
-def render(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
+def render(
+    result: dict[str, Any], found: Sequence[ScenarioResult], mixes: Sequence[MixResult] = ()
+) -> str:
     m = result["machine"]
     return "\n".join(
         [
@@ -356,7 +372,7 @@ def render(result: dict[str, Any], found: Sequence[ScenarioResult]) -> str:
             f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, "
             f"{interpreter_of(m)}, {m['openbao']}, {m['wrk']}.",
             "",
-            summary(result, found),
+            summary(result, found, mixes),
         ]
     )
 
@@ -372,8 +388,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_load_options(parser, "smoke run (3 s, 1 round)")
     parser.add_argument(
         "--scenarios",
-        help="comma-separated scenarios (default: every one OpenBao runs too; the bare-ASGI "
-        f"ceiling is measured beside {CEILING_SCENARIO})",
+        help="comma-separated scenarios and mixes (default: every scenario OpenBao runs too, and"
+        f" the mix; the bare-ASGI ceiling is measured beside {CEILING_SCENARIO})",
     )
     add_topology_options(parser)
     parser.add_argument("--workers", type=int, default=1, help="cryptd server workers (1)")
@@ -393,10 +409,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.production and args.rounds is None and not args.quick:
         args.rounds = 5
-    chosen = tuple(args.scenarios.split(",")) if args.scenarios else CALIBRATION_DEFAULT
-    unknown = [name for name in chosen if name not in BY_NAME]
+    default = (*CALIBRATION_DEFAULT, *MIX_BY_NAME)
+    chosen = tuple(args.scenarios.split(",")) if args.scenarios else default
+    unknown = [name for name in chosen if name not in BY_NAME and name not in MIX_BY_NAME]
     if unknown:
-        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
+        known = ", ".join([*BY_NAME, *MIX_BY_NAME])
+        raise SystemExit(f"unknown scenarios: {', '.join(unknown)} (known: {known})")
     return Plan(
         **load_settings(args),
         case_rate=0.0,
@@ -404,6 +422,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         calibration=0.0,
         calibration_scenarios=(),
         scenarios=tuple(s.name for s in SCENARIOS if s.name in chosen),
+        mixes=tuple(name for name in MIX_BY_NAME if name in chosen),
     )
 
 
@@ -479,9 +498,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name, by_label in runs.items()
             }
             result["results"] = [r.to_json() for r in found]
+            mixes = mixes_over_tls(cryptds[True], targets, plan, workdir / "bodies" / "mix")
+            result["mixes"] = [mix.to_json() for mix in mixes]
         result["phase"] = {"before": phase_before, "after": rsa_sign_us()}
-        write_outputs(current, args, "tls", render(result, found), summary(result, found))
+        write_outputs(
+            current, args, "tls", render(result, found, mixes), summary(result, found, mixes)
+        )
     return 0
+
+
+def mixes_over_tls(
+    cryptd: Cryptd, targets: Mapping[str, AnyTarget], plan: Plan, bodies: Path
+) -> list[MixResult]:
+    """The plan's mixes against cryptd over TLS and OpenBao over its TLS (when it runs)."""
+    if not plan.mixes:
+        return []
+    bao = targets.get(label("openbao", True))
+    bao = bao if isinstance(bao, OpenBao) else None
+    streams = {name for mix in plan.mixes for name, _ in MIX_BY_NAME[mix].streams}
+    scenarios = [s for s in SCENARIOS if s.name in streams]
+    prepared = prepare([cryptd] + ([bao] if bao is not None else []), scenarios, bodies)
+    return run_mixes(cryptd, bao, prepared, plan)
 
 
 def production_env(directory: Path, redis_url: str) -> dict[str, str]:

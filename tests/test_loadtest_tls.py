@@ -14,7 +14,8 @@ import pytest
 
 from loadtest import tls, tls_rounds
 from loadtest.measure import Measurement
-from loadtest.report import summarize
+from loadtest.report import MixResult, summarize
+from loadtest.scenarios import MIX_BY_NAME
 from loadtest.targets import find_bao
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +82,52 @@ def test_errors_fail_the_run_and_a_scenario_without_openbao_has_no_ratio() -> No
     assert result.goals() == {"no_errors": False}
 
 
-def test_plan_takes_every_scenario_openbao_runs_by_default() -> None:
+def test_plan_takes_every_scenario_openbao_runs_and_the_mix_by_default() -> None:
     plan = tls.make_plan(tls.parse_args(["--shared-cores"]))
     assert "aes-encrypt" in plan.scenarios
     assert "sm2-sign" not in plan.scenarios
+    assert plan.mixes == ("mix",)
+    chosen = tls.make_plan(tls.parse_args(["--shared-cores", "--scenarios", "aes-encrypt"]))
+    assert chosen.scenarios == ("aes-encrypt",)
+    assert chosen.mixes == ()
     with pytest.raises(SystemExit):
         tls.make_plan(tls.parse_args(["--shared-cores", "--scenarios", "nope"]))
+
+
+def test_the_mix_over_tls_is_reported_with_its_goals() -> None:
+    """The cheap stream beside the costly one against its P99 alone, both targets over TLS."""
+    slow = Measurement(
+        requests=1000, seconds=10.0, errors=0, p50_ms=2.0, p99_ms=9.0, mean_ms=3.0, max_ms=20.0
+    )
+    mix = MixResult(
+        MIX_BY_NAME["mix"],
+        {
+            "cryptd": [{"aes-encrypt": _m(3000, 100), "rsa-sign": _m(900, 400)}],
+            "openbao": [{"aes-encrypt": _m(1000, 300), "rsa-sign": slow}],
+        },
+        {"cryptd": [_m(6000, 100)], "openbao": [_m(4000, 120)]},
+        1,
+    )
+    # _m's P99 is 4 ms whatever the load: beside RSA as alone, within 2x.
+    assert mix.goals() == {
+        "aes-encrypt throughput": True,
+        "rsa-sign throughput": True,
+        "aes-encrypt P99": True,
+    }
+    result = {
+        "config": {
+            "production": True, "topology": "pinned", "threads": 1, "connections": 16,
+            "duration": 8.0, "rounds": 1, "workers": 1, "command": "python -m loadtest.tls",
+        },
+        "tls": {"cryptd": "TLSv1.3 TLS_AES_128_GCM_SHA256"},
+        "started": "now",
+        "machine": {"git_head": "abc", "loadavg": ["0.1", "0.1", "0.1"]},
+    }  # fmt: skip
+    text = tls.summary(result, [], [mix])
+    assert "Mixed traffic over TLS (cryptd and OpenBao each over its own TLS)" in text
+    assert "| aes-encrypt | 8 | 3,000 | 1,000 | 3.00x |" in text
+    assert "aes-encrypt P99 PASS" in text
+    assert "Mixed traffic" not in tls.summary(result, [])
 
 
 @pytest.mark.slow
@@ -102,7 +143,7 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     out, report = tmp_path / "result.json", tmp_path / "report.md"
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.tls", "--quick", "--duration", "1", "--production",
-         "--scenarios", "aes-encrypt", "--connections", "2", "--quiet", "0",
+         "--scenarios", "aes-encrypt,mix", "--connections", "2", "--quiet", "0",
          "--json", str(out), "--markdown", str(report)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -141,6 +182,16 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     assert "replay protection on a Redis of its own" in section
     assert "Host phase: RSA-2048 PSS sign" in section
     assert "| AES-256-GCM encrypt 1 KiB | " in section.split("in every round")[1]
+    # The mix over TLS: both streams against both targets, and the cheap stream alone.
+    (mix,) = result["mixes"]
+    for stream in ("aes-encrypt", "rsa-sign"):
+        for target in ("cryptd", "openbao"):
+            assert mix["streams"][stream][target]["ops"] > 0, (stream, target)
+    assert mix["alone"]["cryptd"]["ops"] > 0
+    assert mix["alone"]["openbao"]["ops"] > 0
+    assert set(mix["goals"]) == {"aes-encrypt throughput", "rsa-sign throughput", "aes-encrypt P99"}
+    assert "Mixed traffic over TLS" in section
+    assert "| rsa-sign | 8 |" in section
 
 
 def test_every_rounds_ratios_are_reported_in_round_order() -> None:
