@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,15 +59,21 @@ class Round:
 
     @property
     def baseline_ratio(self) -> float:
-        if self.baseline_ops is None or not self.off_ops:
-            return float("nan")
-        return self.baseline_ops / self.off_ops
+        return _to_off(self.baseline_ops, self.off_ops)
 
     @property
     def memory_ratio(self) -> float:
-        if self.memory_ops is None or not self.off_ops:
-            return float("nan")
-        return self.memory_ops / self.off_ops
+        return _to_off(self.memory_ops, self.off_ops)
+
+
+def _to_off(ops: float | None, off_ops: float) -> float:
+    """A third server's throughput over the audit-off server's in the same round."""
+    return ops / off_ops if ops is not None and off_ops else float("nan")
+
+
+def _cost(ratios: Iterable[float]) -> float:
+    """1 - the median per-round ratio: what the audit costs that server's throughput."""
+    return 1 - statistics.median(ratios)
 
 
 @dataclass
@@ -84,21 +90,17 @@ class Report:
 
     @property
     def baseline_cost(self) -> float | None:
-        if self.baseline is None:
-            return None
-        return 1 - statistics.median(r.baseline_ratio for r in self.rounds)
+        return None if self.baseline is None else _cost(r.baseline_ratio for r in self.rounds)
 
     @property
     def memory_cost(self) -> float | None:
         """The cost of the trail on a memory file system: its own work, no disk sync."""
-        if self.memory_dir is None:
-            return None
-        return 1 - statistics.median(r.memory_ratio for r in self.rounds)
+        return None if self.memory_dir is None else _cost(r.memory_ratio for r in self.rounds)
 
     @property
     def cost(self) -> float:
         """1 - the median per-round throughput ratio (audited over off)."""
-        return 1 - statistics.median(r.ratio for r in self.rounds)
+        return _cost(r.ratio for r in self.rounds)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -279,28 +281,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if summary["met"] else 1
 
 
+def _beside(title: str, cost: float | None, rounds: list[tuple[float | None, float]]) -> str:
+    """The paragraph of a server measured beside the two (none when it was not)."""
+    if cost is None:
+        return ""
+    figures = ", ".join(f"{ops or 0:,.0f} ({ratio:.3f})" for ops, ratio in rounds)
+    return f"\n\n{title}: **cost {cost:.1%}**; per round req/s per core: {figures}."
+
+
 def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
     rows = "\n".join(
         f"| {n} | {r.off_ops:,.0f} | {r.audited_ops:,.0f} | {r.ratio:.3f} |"
         for n, r in enumerate(report.rounds, 1)
     )
-    baseline = ""
-    if report.baseline is not None and report.baseline_cost is not None:
-        baseline = (
-            f"\n\nBaseline (`--baseline {report.baseline}`, the same audited server from that"
-            f" tree, in the same rounds): **cost {report.baseline_cost:.1%}**; per round"
-            f" req/s per core: "
-            + ", ".join(f"{r.baseline_ops:,.0f} ({r.baseline_ratio:.3f})" for r in report.rounds)
-            + "."
-        )
-    memory = ""
-    if report.memory_dir is not None and report.memory_cost is not None:
-        memory = (
-            f"\n\nThe trail on a memory file system (`--memory-dir`, every sync at once, in the"
-            f" same rounds): **cost {report.memory_cost:.1%}**; per round req/s per core: "
-            + ", ".join(f"{r.memory_ops:,.0f} ({r.memory_ratio:.3f})" for r in report.rounds)
-            + "."
-        )
+    baseline = _beside(
+        f"Baseline (`--baseline {report.baseline}`, the same audited server from that tree, in"
+        " the same rounds)",
+        report.baseline_cost,
+        [(r.baseline_ops, r.baseline_ratio) for r in report.rounds],
+    )
+    memory = _beside(
+        "The trail on a memory file system (`--memory-dir`, every sync at once, in the same"
+        " rounds)",
+        report.memory_cost,
+        [(r.memory_ops, r.memory_ratio) for r in report.rounds],
+    )
     cpu = ""
     if any(r.cpu_us for r in report.rounds):
         cpu = (
