@@ -274,11 +274,14 @@ def find_bao() -> str:
 class OpenBao:
     """``bao server -dev`` (in memory) on a free loopback port with Transit and the keys of
     :data:`~loadtest.scenarios.OPENBAO_KEYS`; with ``tls``, ``-dev-tls``: OpenBao's own HTTPS
-    listener with the CA, certificate and key it generates in ``directory/tls``."""
+    listener with the CA, certificate and key it generates in ``directory/tls``; with
+    ``audit``, its file audit device writing ``directory/audit.log`` (as production runs it:
+    a request and a response entry per request, values HMAC'd; OpenBao does not sync them)."""
 
     directory: Path
     cpus: frozenset[int] | None = None  # pinned to these CPUs, GOMAXPROCS = their number
     tls: bool = False
+    audit: bool = False
     name: str = "openbao"
     url: str = ""
     token: str = OPENBAO_TOKEN
@@ -299,6 +302,14 @@ class OpenBao:
             tls_options = ["-dev-tls", f"-dev-tls-cert-dir={cert_dir}"]
             self.ca_file = cert_dir / "vault-ca.pem"
             env["BAO_CACERT"] = str(self.ca_file)
+        audit_options: list[str] = []
+        if self.audit:
+            # Declared in a configuration file: OpenBao 2 refuses audit devices made over its
+            # API unless told to allow them.
+            config = self.directory / "audit.hcl"
+            path = orjson.dumps(str(self.audit_log)).decode()  # an HCL string, quoted
+            config.write_text(f'audit "file" "trail" {{\n  options {{ file_path = {path} }}\n}}\n')
+            audit_options = [f"-config={config}"]
         if self.cpus:
             env["GOMAXPROCS"] = str(len(self.cpus))
         with open(log, "ab") as out:
@@ -312,6 +323,7 @@ class OpenBao:
                         f"-dev-listen-address=127.0.0.1:{port}",
                         "-dev-no-store-token",
                         *tls_options,
+                        *audit_options,
                     ],
                     self.cpus,
                 ),
@@ -347,6 +359,10 @@ class OpenBao:
     @property
     def pids(self) -> list[int]:
         return [self.pid]
+
+    @property
+    def audit_log(self) -> Path:
+        return self.directory / "audit.log"
 
     def request(self, path: str, body: Mapping[str, Any]) -> tuple[int, Any]:
         if self._http is None:

@@ -8,7 +8,8 @@ its own TLS, alternating, on the runner's pinned topology.
 
 ``--production`` runs cryptd as production does beside the plain one: the replay store on a
 Redis of the run's own (pinned with the servers, its CPU counted as cryptd's), the audit log to
-a file with group fsync, failing closed, and metrics on; the summary names the host's phase
+a file with group fsync, failing closed, and metrics on; and OpenBao with its file audit device
+(``--no-openbao-audit``: without, as its dev mode starts); the summary names the host's phase
 (RSA-2048 PSS sign time in a bare loop, before and after) and gives every round's ratios.
 
 Six servers run side by side on the server CPUs: cryptd plain and cryptd over TLS (``cryptd serve
@@ -317,8 +318,14 @@ def summary(
         )
         + f"TLS negotiated: cryptd "
         f"{tls.get('cryptd', '-')}, bare ASGI {tls.get('bare', '-')} (cryptd's certificate and "
-        f"TLS context), OpenBao {tls.get('openbao', '-')} (`-dev-tls`, its own certificate). "
-        f"Reproduced by `{cfg['command']}`.",
+        f"TLS context), OpenBao {tls.get('openbao', '-')} (`-dev-tls`, its own certificate)"
+        + (
+            "; OpenBao with its file audit device (a request and a response entry a request, "
+            "values HMAC'd, written without a sync). "
+            if cfg.get("openbao_audit")
+            else ". "
+        )
+        + f"Reproduced by `{cfg['command']}`.",
     ]
     ceiling = next((r for r in found if "bare" in r.pairs), None)
     if ceiling is not None:
@@ -396,6 +403,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_cryptd_env_option(parser)
     parser.add_argument("--no-openbao", action="store_true", help="cryptd and the bare app only")
     parser.add_argument(
+        "--no-openbao-audit",
+        action="store_true",
+        help="with --production: OpenBao without its file audit device",
+    )
+    parser.add_argument(
         "--production",
         action="store_true",
         help="cryptd as in production: replay store on a Redis of the run's own, audit to a "
@@ -437,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir, result = current.workdir, current.result
         phase_before = rsa_sign_us()
         log(describe_phase(phase_before))
+        openbao_audit = args.production and not args.no_openbao_audit
         with contextlib.ExitStack() as stack:
             targets: dict[str, AnyTarget] = {}
             cryptds: dict[bool, Cryptd] = {}
@@ -468,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     log(f"bare-ASGI app at {bare.url}")
             if not args.no_openbao:
                 for tls in (False, True):
-                    bao = OpenBao(workdir / label("openbao", tls), cpus, tls)
+                    bao = OpenBao(workdir / label("openbao", tls), cpus, tls, openbao_audit)
                     stack.callback(bao.stop)
                     bao.start()
                     targets[label("openbao", tls)] = bao
@@ -490,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workers": args.workers,
                 "cryptd_env": dict(cryptds[True].env),
                 "production": args.production,
+                "openbao_audit": openbao_audit,
             }
             runs = run_rounds(targets, prepared, signers, plan)
             found = results(runs, topology.server_cores)

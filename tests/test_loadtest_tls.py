@@ -15,8 +15,8 @@ import pytest
 from loadtest import tls, tls_rounds
 from loadtest.measure import Measurement
 from loadtest.report import MixResult, summarize
-from loadtest.scenarios import MIX_BY_NAME
-from loadtest.targets import find_bao
+from loadtest.scenarios import MIX_BY_NAME, OPENBAO_KEYS
+from loadtest.targets import OpenBao, find_bao
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,6 +161,7 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     assert env["CRYPTD_AUDIT_LOG"].endswith("audit.log")
     assert env["CRYPTD_AUDIT_FAIL_CLOSED"] == "true"
     assert result["config"]["production"] is True
+    assert result["config"]["openbao_audit"] is True
     assert 10 < result["phase"]["before"] < 100_000
     # The bare app uses cryptd's TLS context: the same suite.
     assert result["tls"]["bare"] == result["tls"]["cryptd"]
@@ -181,6 +182,7 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     assert "python -m loadtest.tls --quick --duration 1 --production" in section
     assert "replay protection on a Redis of its own" in section
     assert "Host phase: RSA-2048 PSS sign" in section
+    assert "OpenBao with its file audit device" in section
     assert "| AES-256-GCM encrypt 1 KiB | " in section.split("in every round")[1]
     # The mix over TLS: both streams against both targets, and the cheap stream alone.
     (mix,) = result["mixes"]
@@ -192,6 +194,34 @@ def test_every_server_plain_and_over_tls_in_one_short_run(tmp_path: Path) -> Non
     assert set(mix["goals"]) == {"aes-encrypt throughput", "rsa-sign throughput", "aes-encrypt P99"}
     assert "Mixed traffic over TLS" in section
     assert "| rsa-sign | 8 |" in section
+
+
+@pytest.mark.slow
+def test_openbao_with_its_audit_device_records_each_request_without_the_plaintext(
+    tmp_path: Path,
+) -> None:
+    """Production's OpenBao: its file audit device writes a request and a response entry for a
+    Transit call over its TLS listener, the plaintext HMAC'd."""
+    try:
+        find_bao()
+    except RuntimeError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("OpenBao is required under CI (pip install -e '.[load]')")
+        pytest.skip("OpenBao is not installed (pip install -e '.[load]')")
+    bao = OpenBao(tmp_path / "bao", tls=True, audit=True)
+    try:
+        bao.start()
+        key = next(name for name, kind in OPENBAO_KEYS.items() if kind == "aes256-gcm96")
+        plaintext = "c2VjcmV0LW1hcmtlci00MjQy"  # base64 of secret-marker-4242
+        status, _ = bao.request(f"/v1/transit/encrypt/{key}", {"plaintext": plaintext})
+        assert status == 200
+    finally:
+        bao.stop()
+    entries = [orjson.loads(line) for line in bao.audit_log.read_bytes().splitlines()]
+    ours = [e for e in entries if e["request"].get("path") == f"transit/encrypt/{key}"]
+    assert [e["type"] for e in ours] == ["request", "response"]
+    assert ours[0]["request"]["data"]["plaintext"].startswith("hmac-sha256:")
+    assert plaintext.encode() not in bao.audit_log.read_bytes()
 
 
 def test_every_rounds_ratios_are_reported_in_round_order() -> None:
