@@ -13,14 +13,15 @@ import datetime as dt
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import orjson
 
 from loadtest.measure import Measurement, run_wrk
 from loadtest.plan import Topology
-from loadtest.targets import Cryptd
+from loadtest.scenarios import BY_NAME
+from loadtest.targets import Cryptd, OpenBao
 
 RECORDS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -32,29 +33,41 @@ def per_core(measurement: Measurement, cores: int) -> float:
 
 
 def rounds(
-    servers: Sequence[Cryptd],
+    servers: Sequence[Cryptd | OpenBao],
     topology: Topology,
     count: int,
     *,
     duration: float,
     connections: int,
     scenario: str = "aes-encrypt",
+    bodies: Mapping[str, Path] | None = None,
 ) -> list[dict[str, Measurement]]:
     """``count`` rounds of one measurement per server (started by the caller), in forward
-    then reverse order; each round's measurements by server name."""
+    then reverse order; each round's measurements by server name. An OpenBao server takes its
+    request body from ``bodies`` (by server name; loadtest.sampling.prepare makes them)."""
     if topology.pinned:
         os.sched_setaffinity(0, topology.client)  # wrk, our child, inherits it
     found: list[dict[str, Measurement]] = []
     for number in range(count):
         figures: dict[str, Measurement] = {}
         for server in servers if number % 2 == 0 else list(reversed(servers)):
+            if isinstance(server, OpenBao):
+                endpoint = BY_NAME[scenario].openbao
+                if endpoint is None or bodies is None:
+                    raise ValueError(f"no OpenBao request for {scenario} on {server.name}")
+                script = "openbao.lua"
+                args = [scenario, str(bodies[server.name]), endpoint.path]
+                env = {"BAO_TOKEN": server.token}
+            else:
+                script, args = "cryptd.lua", [scenario]
+                env = {"CRYPTD_CREDENTIALS": str(server.credentials)}
             figures[server.name] = run_wrk(
-                "cryptd.lua",
+                script,
                 server.url,
-                [scenario],
+                args,
                 connections=connections,
                 duration=duration,
-                env={"CRYPTD_CREDENTIALS": str(server.credentials)},
+                env=env,
                 server_pid=server.pid,
             )
         found.append(figures)

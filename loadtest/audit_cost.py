@@ -14,7 +14,9 @@ against the requests answered.
 Where the cost comes from, in the same rounds: ``--memory-dir /dev/shm`` adds a server whose
 trail is on a memory file system (every ``fdatasync`` returns at once: the trail's own work
 without the disk's), and every round reports each server's CPU per request (its process tree,
-the sync process included, from ``/proc``).
+the sync process included, from ``/proc``). The reference: ``--openbao`` adds OpenBao without
+and with its file audit device (a request and a response entry per request, values HMAC'd,
+never synced), so what an audit device costs OpenBao is measured in the same rounds.
 
 The report (JSON) goes to ``loadtest/results/``; the summary is printed and, with
 ``--record``, written as ``docs/results/DATE-audit-cost.md``. Run it on a quiet machine: never
@@ -40,7 +42,9 @@ from loadtest import alternate
 from loadtest.alternate import per_core
 from loadtest.phase import describe, rsa_sign_us
 from loadtest.plan import Topology, make_topology
-from loadtest.targets import Cryptd
+from loadtest.sampling import prepare
+from loadtest.scenarios import BY_NAME
+from loadtest.targets import Cryptd, OpenBao
 
 GOAL = 0.10  # the most the trail may cost of AES-GCM encrypt throughput per core
 
@@ -52,6 +56,8 @@ class Round:
     baseline_ops: float | None = None  # with --baseline: the audited server of that tree
     memory_ops: float | None = None  # with --memory-dir: the trail on a memory file system
     cpu_us: dict[str, float] = field(default_factory=dict)  # server -> CPU us per request
+    openbao_off_ops: float | None = None  # with --openbao: OpenBao without an audit device
+    openbao_audited_ops: float | None = None  # ... and with its file audit device
 
     @property
     def ratio(self) -> float:
@@ -65,9 +71,14 @@ class Round:
     def memory_ratio(self) -> float:
         return _to_off(self.memory_ops, self.off_ops)
 
+    @property
+    def openbao_ratio(self) -> float:
+        """OpenBao audited over OpenBao without an audit device."""
+        return _to_off(self.openbao_audited_ops, self.openbao_off_ops or 0.0)
+
 
 def _to_off(ops: float | None, off_ops: float) -> float:
-    """A third server's throughput over the audit-off server's in the same round."""
+    """A server's throughput over its audit-off counterpart's in the same round."""
     return ops / off_ops if ops is not None and off_ops else float("nan")
 
 
@@ -87,6 +98,7 @@ class Report:
     verify_output: str = ""
     baseline: str | None = None  # the other tree measured in the same run
     memory_dir: str | None = None  # where the memory-file-system server's trail went
+    openbao: bool = False  # OpenBao without and with its audit device in the same rounds
 
     @property
     def baseline_cost(self) -> float | None:
@@ -96,6 +108,11 @@ class Report:
     def memory_cost(self) -> float | None:
         """The cost of the trail on a memory file system: its own work, no disk sync."""
         return None if self.memory_dir is None else _cost(r.memory_ratio for r in self.rounds)
+
+    @property
+    def openbao_cost(self) -> float | None:
+        """What its file audit device costs OpenBao's throughput, from the same rounds."""
+        return _cost(r.openbao_ratio for r in self.rounds) if self.openbao else None
 
     @property
     def cost(self) -> float:
@@ -109,6 +126,7 @@ class Report:
             "cost": round(self.cost, 4),
             "baseline_cost": None if self.baseline_cost is None else round(self.baseline_cost, 4),
             "memory_cost": None if self.memory_cost is None else round(self.memory_cost, 4),
+            "openbao_cost": None if self.openbao_cost is None else round(self.openbao_cost, 4),
             "goal": GOAL,
             "met": self.cost <= GOAL and self.verify_exit == 0,
         }
@@ -155,8 +173,9 @@ def measure(
     group_delay_ms: float | None = None,
     baseline: Path | None = None,
     memory_dir: Path | None = None,
+    openbao: bool = False,
 ) -> Report:
-    report = Report(topology.summary(), describe(rsa_sign_us()))
+    report = Report(topology.summary(), describe(rsa_sign_us()), openbao=openbao)
     cpus = topology.server_cpus
     off = Cryptd(work / "off", env={"CRYPTD_AUDIT_LOG": "off"}, cpus=cpus, name="audit-off")
     audited = Cryptd(
@@ -173,32 +192,46 @@ def measure(
         report.memory_dir = str(memory_dir)
         env = audit_env(memory_dir, group_delay_ms)
         servers += (Cryptd(work / "memory", env=env, cpus=cpus, name="memory"),)
+    baos: tuple[OpenBao, ...] = ()
+    if openbao:
+        baos = (
+            OpenBao(work / "openbao-off", cpus, name="openbao-off"),
+            OpenBao(work / "openbao-audited", cpus, audit=True, name="openbao-audited"),
+        )
+    every: tuple[Cryptd | OpenBao, ...] = (*servers, *baos)
     try:
-        for server in servers:
+        for server in every:
             server.start()
+        bodies = prepare(baos, [BY_NAME["aes-encrypt"]], work / "bodies").files
         found = alternate.rounds(
-            servers, topology, rounds, duration=duration, connections=connections
+            every,
+            topology,
+            rounds,
+            duration=duration,
+            connections=connections,
+            bodies={name: path for (name, _), path in bodies.items()},
         )
         for figures in found:
             cores = topology.server_cores
             report.audited_requests += figures["audited"].requests
-            base = figures.get("baseline")
-            memory = figures.get("memory")
+            ops = {name: per_core(m, cores) for name, m in figures.items()}
             report.rounds.append(
                 Round(
-                    per_core(figures["audit-off"], cores),
-                    per_core(figures["audited"], cores),
-                    None if base is None else per_core(base, cores),
-                    None if memory is None else per_core(memory, cores),
+                    ops["audit-off"],
+                    ops["audited"],
+                    ops.get("baseline"),
+                    ops.get("memory"),
                     {
                         name: round(m.server_cpu_s / m.requests * 1e6, 1)
                         for name, m in figures.items()
                         if m.server_cpu_s is not None and m.requests
                     },
+                    ops.get("openbao-off"),
+                    ops.get("openbao-audited"),
                 )
             )
     finally:
-        for server in servers:
+        for server in every:
             server.stop()
     files = audit_files(audit_dir)
     report.records = count_records(files)
@@ -232,6 +265,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="also measure an audited server whose trail goes under this directory of a memory"
         " file system (e.g. /dev/shm), in the same rounds: the trail's cost without the disk",
+    )
+    parser.add_argument(
+        "--openbao",
+        action="store_true",
+        help="also measure OpenBao without and with its file audit device in the same rounds:"
+        " what an audit device costs the reference",
     )
     parser.add_argument("--shared-cores", action="store_true", help="no pinning")
     parser.add_argument("--client-cpus", help="CPUs of wrk (default: the first half)")
@@ -271,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.group_delay_ms,
             args.baseline,
             memory_dir,
+            args.openbao,
         )
         if memory_dir is not None:
             shutil.rmtree(memory_dir, ignore_errors=True)  # memory, not disk: give it back
@@ -306,6 +346,13 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
         report.memory_cost,
         [(r.memory_ops, r.memory_ratio) for r in report.rounds],
     )
+    openbao = _beside(
+        "OpenBao with its file audit device against OpenBao without (`--openbao`, AES-GCM"
+        " encrypt through Transit, in the same rounds; OpenBao writes a request and a response"
+        " entry and never syncs them)",
+        report.openbao_cost,
+        [(r.openbao_audited_ops, r.openbao_ratio) for r in report.rounds],
+    )
     cpu = ""
     if any(r.cpu_us for r in report.rounds):
         cpu = (
@@ -322,13 +369,14 @@ def markdown(report: Report, args: argparse.Namespace, stamp: str) -> str:
         f" --connections {args.connections}"
         + (f" --group-delay-ms {args.group_delay_ms:g}" if args.group_delay_ms is not None else "")
         + (f" --memory-dir {args.memory_dir}" if args.memory_dir is not None else "")
+        + (" --openbao" if args.openbao else "")
         + "`\n"
         f"- AES-GCM encrypt, one worker; audited: `CRYPTD_AUDIT_LOG` file, fail-closed, group"
         f" `fdatasync`\n\n"
         f"| round | audit off req/s per core | audited | ratio |\n|---|---|---|---|\n{rows}\n\n"
         f"**Cost: {report.cost:.1%}** of throughput per core (goal <= {GOAL:.0%}); "
         f"{report.records} encrypt records for {report.audited_requests} requests answered; "
-        f"`cryptd audit verify` exit {report.verify_exit}." + baseline + memory + cpu
+        f"`cryptd audit verify` exit {report.verify_exit}." + baseline + memory + openbao + cpu
     )
 
 

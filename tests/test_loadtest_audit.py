@@ -59,6 +59,23 @@ def test_the_memory_file_system_server_gets_its_cost_and_every_server_its_cpu() 
     assert "audit-off 100, audited 150.5; audit-off 101, audited 160" in text
 
 
+def test_openbao_gets_the_cost_of_its_own_audit_device_from_the_same_rounds() -> None:
+    """``--openbao``: OpenBao audited against OpenBao without, beside cryptd's figures."""
+    report = Report("pinned", "fast", openbao=True)
+    report.rounds = [
+        Round(1000, 700, openbao_off_ops=400, openbao_audited_ops=200),
+        Round(1000, 700, openbao_off_ops=500, openbao_audited_ops=300),
+        Round(1000, 700, openbao_off_ops=400, openbao_audited_ops=240),
+    ]
+    assert report.openbao_cost == pytest.approx(0.40)  # ratios 0.5, 0.6, 0.6
+    assert report.summary()["openbao_cost"] == pytest.approx(0.40)
+    assert Report("pinned", "fast", rounds=report.rounds).openbao_cost is None
+    text = markdown(report, parse_args(["--openbao"]), "now")
+    assert " --openbao`" in text
+    assert "OpenBao with its file audit device against OpenBao without" in text
+    assert "**cost 40.0%**; per round req/s per core: 200 (0.500), 300 (0.600), 240 (0.600)" in text
+
+
 def test_options_are_checked() -> None:
     assert parse_args([]).rounds == 6
     with pytest.raises(SystemExit):
@@ -71,7 +88,7 @@ def test_a_tiny_run_end_to_end(tmp_path: Path) -> None:
         pytest.fail("wrk is not installed (apt-get install -y wrk)")
     out = tmp_path / "report.json"
     command = [sys.executable, "-m", "loadtest.audit_cost", "--rounds", "1", "--duration", "1"]
-    command += ["--connections", "2", "--out", str(out)]
+    command += ["--connections", "2", "--out", str(out), "--openbao"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: goal missed on a busy machine
     report = orjson.loads(out.read_bytes())
@@ -80,6 +97,10 @@ def test_a_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert report["rounds"][0]["audited_ops"] > 0
     assert report["verify_exit"] == 0, report["verify_output"]
     assert report["records"] >= report["audited_requests"] > 0
+    # OpenBao without and with its audit device, driven in the same round through Transit.
+    assert report["rounds"][0]["openbao_off_ops"] > 0
+    assert report["rounds"][0]["openbao_audited_ops"] > 0
+    assert report["openbao_cost"] < 1
 
 
 def test_audit_groups_reads_group_sizes_from_perf_script() -> None:
