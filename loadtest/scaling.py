@@ -18,7 +18,17 @@ the same round:
 
 The CPU the server spends idle (timers of every worker) is measured before each load and
 reported apart, as is how the requests spread over the workers (each worker's share of the
-CPU). The goal: with 2 workers, CPU per request within 10 % of one worker's. The printed table
+CPU). The goal: with 2 workers, CPU per request within 10 % of one worker's.
+
+Two loads. The offered rate (the default) asks what a second worker costs at a given traffic:
+below saturation each wake-up of a worker finds fewer requests waiting when two share them, so
+a cost paid per wake-up (the epoll round, the replay store's commit, waking an idle CPU) is
+shared by fewer requests. ``--saturated`` asks what it costs at full load: wrk's closed loop
+(16 connections) keeps every worker busy, and CPU per request is the server CPUs' time over the
+requests answered. Where they run: anywhere by default, since on two CPUs pinning would put
+both workers on one core (what that costs is oversubscription, not one more core); with
+``--server-cpus`` (and ``--client-cpus``) the workers and the load generator are pinned apart,
+e.g. ``--saturated --client-cpus 0-1 --server-cpus 2-3`` on four CPUs. The printed table
 is written to ``docs/results/DATE-scaling.md`` (``--output`` elsewhere). The per-request
 instruction counts of the parts (the honest measure on a shared machine) come from
 ``python -m loadtest.instructions --variant ...``; docs/PERFORMANCE.md puts both together.
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import statistics
 import sys
 import tempfile
@@ -40,8 +51,11 @@ from typing import Final
 import orjson
 
 from loadtest.machine import interpreter
+from loadtest.measure import Measurement
 from loadtest.openloop import http_request, run_open_loop
+from loadtest.plan import Plan, Topology, make_topology
 from loadtest.procstat import process_cpu_seconds, tree_cpu_seconds
+from loadtest.sampling import measure, prepare
 from loadtest.scenarios import BY_NAME
 from loadtest.servers import redis_url
 from loadtest.targets import Cryptd, prepare_body
@@ -90,23 +104,50 @@ def _workers(server: Cryptd) -> list[int]:
     return [pid for pid in process_cpu_seconds(server.pid) if pid != server.pid]
 
 
-def _measure_one(server: Cryptd, row: Row, rate: float, duration: float, idle: float) -> None:
+@dataclass(frozen=True)
+class Load:
+    """What each measurement offers: ``rate`` requests/s open loop, or (``rate`` 0) wrk's
+    closed loop at full load (``plan``: its connections, threads and topology)."""
+
+    rate: float
+    duration: float
+    idle: float
+    plan: Plan
+
+    @property
+    def saturated(self) -> bool:
+        return self.rate <= 0
+
+
+def _measure_one(server: Cryptd, row: Row, load: Load, work: Path) -> None:
     scenario = BY_NAME["aes-encrypt"]
-    body = orjson.dumps(prepare_body(server, scenario.cryptd))
-    path = scenario.cryptd.path
-    host = server.url.removeprefix("http://")
+    duration = load.duration
+    if load.saturated:
+        prepared = prepare([server], [scenario], work / "bodies")
 
-    def request() -> bytes:
-        headers = sign_request("POST", path, "", body, server.client_id, server.secret)
-        return http_request(host, path, headers, body)
+        def run(seconds: float) -> Measurement:
+            return measure(server, scenario, prepared, load.plan, seconds)
+    else:
+        body = orjson.dumps(prepare_body(server, scenario.cryptd))
+        path = scenario.cryptd.path
+        host = server.url.removeprefix("http://")
 
-    run_open_loop(server.url, request, rate=rate, duration=min(2.0, duration))  # warm-up
+        def request() -> bytes:
+            headers = sign_request("POST", path, "", body, server.client_id, server.secret)
+            return http_request(host, path, headers, body)
+
+        def run(seconds: float) -> Measurement:
+            return run_open_loop(
+                server.url, request, rate=load.rate, duration=seconds, server_pid=server.pids
+            )
+
+    run(min(2.0, duration))  # warm-up
     before = tree_cpu_seconds(server.pids)
-    time.sleep(idle)
-    row.idle_cpu.append((tree_cpu_seconds(server.pids) - before) / idle)
+    time.sleep(load.idle)
+    row.idle_cpu.append((tree_cpu_seconds(server.pids) - before) / load.idle)
     workers = _workers(server)
     start = process_cpu_seconds(server.pid)
-    m = run_open_loop(server.url, request, rate=rate, duration=duration, server_pid=server.pids)
+    m = run(duration)
     end = process_cpu_seconds(server.pid)
     spent = [end.get(pid, 0.0) - start.get(pid, 0.0) for pid in workers]
     if m.server_cpu_s is None or m.requests == 0:
@@ -118,19 +159,18 @@ def _measure_one(server: Cryptd, row: Row, rate: float, duration: float, idle: f
         row.busiest_share.append(max(spent) / sum(spent))
 
 
-def run(
-    workdir: Path, rate: float, duration: float, rounds: int, idle: float, redis: str | None
-) -> list[Row]:
+def run(workdir: Path, load: Load, rounds: int, redis: str | None) -> list[Row]:
     rows: dict[tuple[str, int], Row] = {}
+    cpus = load.plan.topology.server_cpus
     for round_no in range(rounds):
         for name, env in configurations(redis).items():
             counts = (1, 2) if round_no % 2 == 0 else (2, 1)  # alternate: drift hits both
             for workers in counts:
                 row = rows.setdefault((name, workers), Row(name, workers))
-                server = Cryptd(workdir / "state", workers=workers, env=env)
+                server = Cryptd(workdir / "state", workers=workers, env=env, cpus=cpus)
                 server.start()
                 try:
-                    _measure_one(server, row, rate, duration, idle)
+                    _measure_one(server, row, load, workdir)
                 finally:
                     server.stop()
                 print(
@@ -142,10 +182,19 @@ def run(
     return list(rows.values())
 
 
-def table(rows: Sequence[Row], rate: float) -> str:
+def describe_load(load: Load) -> str:
+    what = (
+        f"wrk's closed loop at full load ({load.plan.connections} connections)"
+        if load.saturated
+        else f"offered {load.rate:,.0f} req/s open loop"
+    )
+    return f"{what}, AES-256-GCM encrypt 1 KiB, signed; {load.plan.topology.summary()}"
+
+
+def table(rows: Sequence[Row], load: str) -> str:
     by = {(r.configuration, r.workers): r for r in rows}
     lines = [
-        f"Offered {rate:,.0f} req/s (AES-256-GCM encrypt 1 KiB, signed); server CPU from /proc.",
+        f"Load: {load}; server CPU from /proc.",
         "",
         "| configuration | workers | CPU us/request | without idle | idle CPU (cores) "
         "| busiest worker's share | 2 workers against 1 |",
@@ -169,6 +218,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m loadtest.scaling", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--rate", type=float, default=1000.0, help="offered req/s (1000)")
+    parser.add_argument(
+        "--saturated",
+        action="store_true",
+        help="wrk's closed loop at full load instead of an offered rate",
+    )
+    parser.add_argument("--connections", type=int, default=16, help="with --saturated (16)")
+    parser.add_argument(
+        "--server-cpus", help="pin the server's workers to these CPUs, e.g. 2-3 (default: anywhere)"
+    )
+    parser.add_argument(
+        "--client-cpus", help="with --server-cpus: the load generator's (default: the others)"
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per load (10)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle", type=float, default=3.0, help="seconds of idle measured (3)")
@@ -176,10 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="default: docs/results/DATE-scaling.md")
     args = parser.parse_args(argv)
     redis = redis_url(args.redis)
+    args.shared_cores = not args.server_cpus
+    topology = make_topology(args)
+    if topology.pinned:
+        os.sched_setaffinity(0, topology.client)  # the open-loop client and wrk, our child
+    load = Load(
+        0.0 if args.saturated else args.rate, args.duration, args.idle, _plan(args, topology)
+    )
     load_before = Path("/proc/loadavg").read_text().split()[0]
     with tempfile.TemporaryDirectory(prefix="cryptd-scaling-") as scratch:
-        rows = run(Path(scratch), args.rate, args.duration, args.rounds, args.idle, redis)
-    text = table(rows, args.rate)
+        rows = run(Path(scratch), load, args.rounds, redis)
+    text = table(rows, describe_load(load))
     print(text)
     now = dt.datetime.now(dt.UTC)
     out = args.output or RECORDS_DIR / f"{now:%Y-%m-%d}-scaling.md"
@@ -191,6 +259,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"written {out}", file=sys.stderr)
     return 0
+
+
+def _plan(args: argparse.Namespace, topology: Topology) -> Plan:
+    """What wrk needs to know with --saturated."""
+    return Plan(
+        duration=args.duration,
+        rounds=args.rounds,
+        warmup=0.0,
+        connections=args.connections,
+        threads=1,
+        case_rate=0.0,
+        case_duration=0.0,
+        calibration=0.0,
+        calibration_scenarios=(),
+        scenarios=("aes-encrypt",),
+        topology=topology,
+    )
 
 
 if __name__ == "__main__":
