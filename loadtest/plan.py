@@ -77,6 +77,9 @@ def make_topology(args: argparse.Namespace) -> Topology:
     return Topology(True, client, server)
 
 
+UNPINNED = Topology(False, frozenset({0}), frozenset({0}))  # a plan's default: nothing pinned
+
+
 @dataclass(frozen=True)
 class Plan:
     duration: float
@@ -94,9 +97,36 @@ class Plan:
     # wrk computes each cryptd body's Content-Digest once per thread (the body never changes;
     # nonce, created and HMAC stay per request); False: pure-Lua SHA-256 on every request.
     digest_once: bool = True
-    topology: Topology = Topology(False, frozenset({0}), frozenset({0}))
+    topology: Topology = UNPINNED
     ceiling: bool = True  # measure the bare-ASGI ceiling beside aes-encrypt
     mixes: tuple[str, ...] = ()
+
+    @classmethod
+    def of_scenarios(
+        cls,
+        scenarios: tuple[str, ...],
+        *,
+        duration: float,
+        rounds: int,
+        warmup: float,
+        connections: int,
+        topology: Topology = UNPINNED,
+    ) -> Plan:
+        """A plan that only drives ``scenarios`` with wrk (one thread): no case study, no
+        calibration, for the tools beside the runner."""
+        return cls(
+            duration=duration,
+            rounds=rounds,
+            warmup=warmup,
+            connections=connections,
+            threads=1,
+            case_rate=0.0,
+            case_duration=0.0,
+            calibration=0.0,
+            calibration_scenarios=(),
+            scenarios=scenarios,
+            topology=topology,
+        )
 
 
 def load_settings(args: argparse.Namespace) -> dict[str, Any]:

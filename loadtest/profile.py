@@ -96,17 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
     scenario = BY_NAME[args.scenario]
-    plan = Plan(
-        duration=args.duration,
-        rounds=1,
-        warmup=2.0,
-        connections=args.connections,
-        threads=1,
-        case_rate=0,
-        case_duration=0,
-        calibration=0,
-        calibration_scenarios=(),
-        scenarios=(scenario.name,),
+    plan = Plan.of_scenarios(
+        (scenario.name,), duration=args.duration, rounds=1, warmup=2.0, connections=args.connections
     )
     with tempfile.TemporaryDirectory(prefix="cryptd-profile-") as tmp:
         cryptd = Cryptd(Path(tmp) / "cryptd", args.workers)

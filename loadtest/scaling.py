@@ -263,17 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(args: argparse.Namespace, topology: Topology) -> Plan:
     """What wrk needs to know with --saturated."""
-    return Plan(
+    return Plan.of_scenarios(
+        ("aes-encrypt",),
         duration=args.duration,
         rounds=args.rounds,
         warmup=0.0,
         connections=args.connections,
-        threads=1,
-        case_rate=0.0,
-        case_duration=0.0,
-        calibration=0.0,
-        calibration_scenarios=(),
-        scenarios=("aes-encrypt",),
         topology=topology,
     )
 

@@ -89,17 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args(argv)
     scenarios = [BY_NAME[name] for name in args.scenarios.split(",")]
-    plan = Plan(
+    plan = Plan.of_scenarios(
+        tuple(s.name for s in scenarios),
         duration=args.duration or (3.0 if args.quick else 10.0),
         rounds=args.rounds or (1 if args.quick else 3),
         warmup=1.0,
         connections=args.connections,
-        threads=1,
-        case_rate=0,
-        case_duration=0,
-        calibration=0,
-        calibration_scenarios=(),
-        scenarios=tuple(s.name for s in scenarios),
     )
     work = Path(tempfile.mkdtemp(prefix="cryptd-stores-"))
     runs: dict[str, dict[str, list[Measurement]]] = {

@@ -1,5 +1,10 @@
-"""The two servers under test, started and stopped by the runner: cryptd (``cryptd serve --dev``
-in a private directory) and OpenBao (``bao server -dev`` with the Transit engine)."""
+"""The servers under test, started and stopped by the runner: cryptd (``cryptd serve --dev``
+in a private directory), OpenBao (``bao server -dev`` with the Transit engine), the bare-ASGI
+ceiling and a private Redis.
+
+Over 400 lines as one module: every target shares one way of being started, pinned, waited
+for and stopped (``pinned``, ``_wait_ready``, ``_stop``) and one request protocol the runner
+and the tools drive; split, each file would carry a copy of that lifecycle."""
 
 from __future__ import annotations
 
