@@ -18,12 +18,11 @@ from pathlib import Path
 
 import orjson
 
+from loadtest import records
 from loadtest.measure import Measurement, run_wrk
 from loadtest.plan import Topology
 from loadtest.scenarios import BY_NAME
 from loadtest.targets import Cryptd, OpenBao
-
-RECORDS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 def per_core(measurement: Measurement, cores: int) -> float:
@@ -107,9 +106,6 @@ def publish(
 
 
 def record(kind: str, text: str, when: dt.datetime | None = None) -> Path:
-    """``text`` as docs/results/DATE-KIND.md (a later run the same day replaces it)."""
-    when = when or dt.datetime.now(dt.UTC)
-    path = RECORDS_DIR / f"{when:%Y-%m-%d}-{kind}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip() + "\n")
-    return path
+    """``text`` as docs/results/DATE-KIND.md (loadtest/records.py: a later run the same day
+    gets its time added)."""
+    return records.keep(kind, text, when or dt.datetime.now(dt.UTC))

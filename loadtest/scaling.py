@@ -50,6 +50,7 @@ from typing import Final
 
 import orjson
 
+from loadtest import records
 from loadtest.machine import interpreter
 from loadtest.measure import Measurement
 from loadtest.openloop import http_request, run_open_loop
@@ -61,7 +62,6 @@ from loadtest.servers import redis_url
 from loadtest.targets import Cryptd, prepare_body
 from service.auth.signature import sign_request
 
-RECORDS_DIR: Final = Path(__file__).resolve().parent.parent / "docs" / "results"
 GOAL: Final = 0.10  # two workers' CPU per request at most 10 % above one worker's
 # Its own database number, so that nothing else on a shared Redis is touched.
 REDIS: Final = "redis://127.0.0.1:6379/11"
@@ -250,13 +250,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(rows, describe_load(load))
     print(text)
     now = dt.datetime.now(dt.UTC)
-    out = args.output or RECORDS_DIR / f"{now:%Y-%m-%d}-scaling.md"
     command = " ".join(["python -m loadtest.scaling", *(argv or sys.argv[1:])])
-    out.write_text(
+    document = (
         f"# CPU per request with 1 and 2 workers ({now:%Y-%m-%d %H:%M} UTC)\n\n"
         f"`{command}`; {interpreter()}; load average before the run "
         f"{load_before}.\n\n{text}\n"
     )
+    if args.output:
+        out = args.output
+        out.write_text(document)
+    else:
+        out = records.keep("scaling", document, now)
     print(f"written {out}", file=sys.stderr)
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import orjson
 
+from loadtest import records
 from loadtest.machine import machine
 from loadtest.measure import find_wrk
 from loadtest.options import reproduce_command
@@ -26,7 +27,6 @@ from loadtest.plan import Plan
 from loadtest.progress import log
 
 RESULTS_DIR: Final = Path(__file__).resolve().parent / "results"  # every run, raw (not tracked)
-RECORDS_DIR: Final = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 @dataclass
@@ -89,9 +89,7 @@ def write_outputs(
     if args.markdown:
         args.markdown.write_text(report + "\n")
     if args.record:
-        record = RECORDS_DIR / f"{current.started[:10]}-{kind}.md"
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(summary + "\n")
-        log(f"recorded {record}")
+        started = dt.datetime.strptime(current.started, "%Y-%m-%dT%H:%M:%SZ")
+        log(f"recorded {records.keep(kind, summary, started)}")
     log(f"results: {out}")
     return out
